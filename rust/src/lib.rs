@@ -1,0 +1,13 @@
+//! kvroute's native core: prefix indexes over token IDs for cache-aware routing.
+//!
+//! The core modules are plain Rust (no PyO3) so that `cargo test` and the criterion
+//! benches run without Python; the binding lives in `python` behind the `python` feature.
+
+pub mod children;
+pub mod lru;
+pub mod tree;
+
+#[cfg(feature = "python")]
+mod python;
+
+pub use tree::{IndexStats, PrefixIndex};

@@ -1,0 +1,237 @@
+//! The thin PyO3 binding: argument conversion, then the work with the GIL released.
+//!
+//! Tokens arrive as any object exporting a 1-D buffer of u32 (`array.array('I')`, a NumPy
+//! `uint32` array): one memcpy, no per-element conversion. Any other iterable of ints is
+//! converted element by element with a range check. Conversion happens before the index
+//! is touched, so a bad argument never leaves the index half-changed.
+
+use crate::tree::PrefixIndex;
+use parking_lot::RwLock;
+use pyo3::buffer::PyBuffer;
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyString, PyTuple};
+
+/// Convert a Python token container into owned u32s.
+fn extract_tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    if obj.is_instance_of::<PyString>() {
+        return Err(PyTypeError::new_err(
+            "tokens must be a sequence of int token IDs or a uint32 buffer, not str \
+             (tokenize the text first)",
+        ));
+    }
+    if !obj.is_instance_of::<PyBytes>() && !obj.is_instance_of::<PyByteArray>() {
+        if let Ok(buf) = PyBuffer::<u32>::get(obj) {
+            if buf.dimensions() != 1 {
+                return Err(PyValueError::new_err(format!(
+                    "token buffer must be 1-dimensional, got {} dimensions",
+                    buf.dimensions()
+                )));
+            }
+            return buf.to_vec(obj.py());
+        }
+    }
+    if let Ok(list) = obj.downcast::<PyList>() {
+        let mut out = Vec::with_capacity(list.len());
+        for (i, item) in list.iter().enumerate() {
+            out.push(token_at(&item, i)?);
+        }
+        return Ok(out);
+    }
+    if let Ok(tuple) = obj.downcast::<PyTuple>() {
+        let mut out = Vec::with_capacity(tuple.len());
+        for (i, item) in tuple.iter().enumerate() {
+            out.push(token_at(&item, i)?);
+        }
+        return Ok(out);
+    }
+    let iter = obj.try_iter().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "tokens must be a sequence of int token IDs or a uint32 buffer, not {}",
+            type_name(obj)
+        ))
+    })?;
+    let mut out = Vec::new();
+    for (i, item) in iter.enumerate() {
+        out.push(token_at(&item?, i)?);
+    }
+    Ok(out)
+}
+
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "?".into())
+}
+
+#[inline]
+fn token_at(item: &Bound<'_, PyAny>, i: usize) -> PyResult<u32> {
+    if let Ok(v) = item.extract::<u32>() {
+        return Ok(v);
+    }
+    match item.extract::<i128>() {
+        Ok(v) => Err(PyValueError::new_err(format!(
+            "token ID at position {i} is {v}, outside [0, 4294967295]"
+        ))),
+        Err(_) => Err(PyTypeError::new_err(format!(
+            "token ID at position {i} must be an int, not {}",
+            type_name(item)
+        ))),
+    }
+}
+
+/// Prefix index over token IDs shared by a fleet of workers (see kvroute/_native.pyi).
+#[pyclass(name = "PrefixIndex", module = "kvroute._native", frozen)]
+pub struct PyPrefixIndex {
+    inner: RwLock<PrefixIndex>,
+}
+
+#[pymethods]
+impl PyPrefixIndex {
+    #[new]
+    #[pyo3(signature = (max_tokens_per_worker = None))]
+    fn new(max_tokens_per_worker: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
+        let budget = match max_tokens_per_worker {
+            None => None,
+            Some(v) if v.is_none() => None,
+            Some(v) => {
+                if v.is_instance_of::<pyo3::types::PyBool>() {
+                    return Err(PyTypeError::new_err(
+                        "max_tokens_per_worker must be an int or None, not bool",
+                    ));
+                }
+                let n: i128 = v.extract().map_err(|_| {
+                    PyTypeError::new_err(format!(
+                        "max_tokens_per_worker must be an int or None, not {}",
+                        type_name(v)
+                    ))
+                })?;
+                if n < 0 || n > u64::MAX as i128 {
+                    return Err(PyValueError::new_err(format!(
+                        "max_tokens_per_worker must be >= 0, got {n}"
+                    )));
+                }
+                Some(n as u64)
+            }
+        };
+        Ok(PyPrefixIndex {
+            inner: RwLock::new(PrefixIndex::new(budget)),
+        })
+    }
+
+    /// Budget of cached tokens per worker, or None when unbounded.
+    #[getter]
+    fn max_tokens_per_worker(&self) -> Option<u64> {
+        self.inner.read().max_tokens_per_worker()
+    }
+
+    /// Record that `worker` holds `tokens`; returns nothing. Evicts over budget.
+    fn insert(&self, py: Python<'_>, worker: &str, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
+        let tokens = extract_tokens(tokens)?;
+        py.detach(|| {
+            self.inner.write().insert(worker, &tokens);
+        });
+        Ok(())
+    }
+
+    /// Matched prefix length per worker that holds any of `tokens`.
+    #[pyo3(name = "match")]
+    fn match_<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let tokens = extract_tokens(tokens)?;
+        let out = py.detach(|| self.inner.read().match_all(&tokens));
+        let d = PyDict::new(py);
+        for (name, len) in out {
+            d.set_item(name, len)?;
+        }
+        Ok(d)
+    }
+
+    /// (longest matched length, workers holding that length).
+    fn longest_match(
+        &self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<(u32, Vec<String>)> {
+        let tokens = extract_tokens(tokens)?;
+        Ok(py.detach(|| self.inner.read().longest_match(&tokens)))
+    }
+
+    /// Forget a worker and its cached prefixes (no-op if unknown).
+    fn remove_worker(&self, py: Python<'_>, worker: &str) {
+        py.detach(|| self.inner.write().remove_worker(worker));
+    }
+
+    /// Register a worker with nothing cached (no-op if known).
+    fn add_worker(&self, worker: &str) {
+        self.inner.write().add_worker(worker);
+    }
+
+    /// Tokens the worker is predicted to hold (0 if unknown).
+    fn cached_tokens(&self, worker: &str) -> u64 {
+        self.inner.read().cached_tokens(worker)
+    }
+
+    /// Known workers in registration order.
+    fn workers(&self) -> Vec<String> {
+        self.inner.read().workers()
+    }
+
+    /// Forget every cached prefix; workers stay registered.
+    fn clear(&self, py: Python<'_>) {
+        py.detach(|| self.inner.write().clear());
+    }
+
+    /// Counters: nodes, stored_tokens, cached_tokens, memory_bytes, evicted_tokens.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = py.detach(|| self.inner.read().stats());
+        let d = PyDict::new(py);
+        d.set_item("nodes", s.nodes)?;
+        d.set_item("stored_tokens", s.stored_tokens)?;
+        d.set_item("cached_tokens", s.cached_tokens)?;
+        d.set_item("memory_bytes", s.memory_bytes)?;
+        d.set_item("evicted_tokens", s.evicted_tokens)?;
+        Ok(d)
+    }
+
+    /// Raise AssertionError if an internal invariant is broken (for tests).
+    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        let r = py.detach(|| {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.inner.read().check_invariants()
+            }))
+        });
+        r.map_err(|e| {
+            let msg = e
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "invariant broken".into());
+            pyo3::exceptions::PyAssertionError::new_err(msg)
+        })
+    }
+
+    fn __repr__(&self) -> String {
+        let g = self.inner.read();
+        let s = g.stats();
+        format!(
+            "PrefixIndex(workers={}, nodes={}, cached_tokens={}, max_tokens_per_worker={})",
+            g.workers().len(),
+            s.nodes,
+            s.cached_tokens,
+            g.max_tokens_per_worker()
+                .map_or_else(|| "None".to_string(), |b| b.to_string())
+        )
+    }
+}
+
+#[pymodule]
+#[pyo3(name = "_native")]
+fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyPrefixIndex>()?;
+    Ok(())
+}

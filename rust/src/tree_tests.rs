@@ -1,0 +1,272 @@
+//! Unit tests of the prefix index, including a randomized comparison with a
+//! token-level reference model of per-worker LRU caches.
+
+use super::*;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use std::collections::HashMap;
+
+fn sorted(mut v: Vec<(String, u32)>) -> Vec<(String, u32)> {
+    v.sort();
+    v
+}
+
+#[test]
+fn empty_index_matches_nothing() {
+    let idx = PrefixIndex::new(None);
+    assert_eq!(idx.longest_match(&[1, 2, 3]), (0, vec![]));
+    assert!(idx.match_all(&[1, 2, 3]).is_empty());
+    assert!(idx.match_all(&[]).is_empty());
+}
+
+#[test]
+fn shared_prefix_per_worker_lengths() {
+    let mut idx = PrefixIndex::new(None);
+    idx.insert("a", &[1, 2, 3, 4]);
+    idx.insert("b", &[1, 2, 9]);
+    idx.insert("c", &[7]);
+    idx.check_invariants();
+    assert_eq!(
+        sorted(idx.match_all(&[1, 2, 3, 4, 5])),
+        vec![("a".into(), 4), ("b".into(), 2)]
+    );
+    assert_eq!(
+        sorted(idx.match_all(&[1, 2, 9])),
+        vec![("a".into(), 2), ("b".into(), 3)]
+    );
+    assert_eq!(idx.longest_match(&[1, 2, 3]), (3, vec!["a".into()]));
+    let (len, mut ws) = idx.longest_match(&[1, 2]);
+    ws.sort();
+    assert_eq!((len, ws), (2, vec!["a".into(), "b".into()]));
+    assert_eq!(idx.cached_tokens("a"), 4);
+    assert_eq!(idx.cached_tokens("b"), 3);
+    assert_eq!(idx.cached_tokens("nobody"), 0);
+    assert_eq!(idx.stats().stored_tokens, 6);
+}
+
+#[test]
+fn partial_edge_match() {
+    let mut idx = PrefixIndex::new(None);
+    idx.insert("a", &[1, 2, 3, 4, 5, 6]);
+    assert_eq!(idx.longest_match(&[1, 2, 3, 0]), (3, vec!["a".into()]));
+    assert_eq!(idx.longest_match(&[2]), (0, vec![]));
+}
+
+#[test]
+fn reinsert_is_idempotent_for_size() {
+    let mut idx = PrefixIndex::new(None);
+    for _ in 0..5 {
+        idx.insert("a", &[1, 2, 3]);
+    }
+    assert_eq!(idx.cached_tokens("a"), 3);
+    assert_eq!(idx.stats().nodes, 1);
+    idx.check_invariants();
+}
+
+#[test]
+fn budget_evicts_least_recently_used_first() {
+    let mut idx = PrefixIndex::new(Some(6));
+    idx.insert("a", &[1, 1, 1]);
+    idx.insert("a", &[2, 2, 2]);
+    idx.insert("a", &[1, 1, 1]); // refresh: [2,2,2] is now the oldest
+    idx.insert("a", &[3, 3, 3]);
+    idx.check_invariants();
+    assert_eq!(idx.cached_tokens("a"), 6);
+    assert_eq!(idx.longest_match(&[2, 2, 2]).0, 0);
+    assert_eq!(idx.longest_match(&[1, 1, 1]).0, 3);
+    assert_eq!(idx.longest_match(&[3, 3, 3]).0, 3);
+    assert_eq!(idx.stats().evicted_tokens, 3);
+}
+
+#[test]
+fn eviction_trims_the_tail_token_exact() {
+    let mut idx = PrefixIndex::new(Some(5));
+    idx.insert("a", &[1, 2, 3, 4]);
+    idx.insert("a", &[9, 9]); // 6 > 5: trim one token of the older [1,2,3,4]
+    idx.check_invariants();
+    assert_eq!(idx.cached_tokens("a"), 5);
+    assert_eq!(idx.longest_match(&[1, 2, 3, 4]).0, 3);
+}
+
+#[test]
+fn eviction_only_touches_the_inserting_worker() {
+    let mut idx = PrefixIndex::new(Some(4));
+    idx.insert("a", &[1, 2, 3, 4]);
+    idx.insert("b", &[1, 2, 3, 4]);
+    idx.insert("b", &[5, 6]);
+    idx.check_invariants();
+    assert_eq!(idx.cached_tokens("a"), 4);
+    assert_eq!(idx.cached_tokens("b"), 4);
+    assert_eq!(
+        sorted(idx.match_all(&[1, 2, 3, 4])),
+        vec![("a".into(), 4), ("b".into(), 2)]
+    );
+}
+
+#[test]
+fn zero_budget_holds_nothing() {
+    let mut idx = PrefixIndex::new(Some(0));
+    idx.insert("a", &[1, 2, 3]);
+    assert_eq!(idx.cached_tokens("a"), 0);
+    assert_eq!(idx.stats().nodes, 0);
+    assert_eq!(idx.workers(), vec!["a".to_string()]);
+    idx.check_invariants();
+}
+
+#[test]
+fn remove_worker_frees_its_nodes_only() {
+    let mut idx = PrefixIndex::new(None);
+    idx.insert("a", &[1, 2, 3]);
+    idx.insert("b", &[1, 2, 4]);
+    idx.remove_worker("a");
+    idx.check_invariants();
+    assert_eq!(idx.workers(), vec!["b".to_string()]);
+    assert_eq!(idx.stats().stored_tokens, 3);
+    assert_eq!(idx.longest_match(&[1, 2, 3]), (2, vec!["b".into()]));
+    idx.remove_worker("a"); // unknown now: no-op
+    idx.remove_worker("b");
+    assert_eq!(idx.stats().nodes, 0);
+    idx.insert("a", &[5]);
+    idx.check_invariants();
+    assert_eq!(idx.workers(), vec!["a".to_string()]);
+}
+
+#[test]
+fn clear_keeps_workers() {
+    let mut idx = PrefixIndex::new(Some(100));
+    idx.insert("a", &[1, 2, 3]);
+    idx.insert("b", &[4]);
+    idx.clear();
+    idx.check_invariants();
+    assert_eq!(idx.workers(), vec!["a".to_string(), "b".to_string()]);
+    assert_eq!(idx.cached_tokens("a"), 0);
+    assert_eq!(idx.longest_match(&[1, 2, 3]).0, 0);
+    idx.insert("a", &[1, 2]);
+    assert_eq!(idx.longest_match(&[1, 2, 3]).0, 2);
+}
+
+#[test]
+fn lru_queue_stays_bounded_under_repeated_touches() {
+    let mut idx = PrefixIndex::new(None);
+    for i in 0..10_000u32 {
+        idx.insert("a", &[1, 2, 3, i % 4]);
+    }
+    let w = idx.workers[0].as_ref().unwrap();
+    assert!(w.lru.len() as u64 <= 2 * w.held_nodes + 64 + 8);
+}
+
+/// Token-level reference: each worker holds a set of prefixes with the stamp of the
+/// last insert that touched them; eviction removes the prefix with the smallest
+/// (stamp, -length) until the worker is within budget.
+#[derive(Default)]
+struct Reference {
+    budget: Option<usize>,
+    clock: u64,
+    held: HashMap<String, HashMap<Vec<u32>, u64>>,
+}
+
+impl Reference {
+    fn insert(&mut self, w: &str, tokens: &[u32]) {
+        let set = self.held.entry(w.to_owned()).or_default();
+        if tokens.is_empty() {
+            return;
+        }
+        self.clock += 1;
+        for i in 1..=tokens.len() {
+            set.insert(tokens[..i].to_vec(), self.clock);
+        }
+        if let Some(b) = self.budget {
+            while set.len() > b {
+                let victim = set
+                    .iter()
+                    .min_by_key(|(k, &s)| (s, std::cmp::Reverse(k.len())))
+                    .map(|(k, _)| k.clone())
+                    .unwrap();
+                set.remove(&victim);
+            }
+        }
+    }
+
+    fn match_all(&self, tokens: &[u32]) -> Vec<(String, u32)> {
+        let mut out = Vec::new();
+        for (w, set) in &self.held {
+            let mut best = 0;
+            for i in 1..=tokens.len() {
+                if set.contains_key(&tokens[..i]) {
+                    best = i;
+                } else {
+                    break;
+                }
+            }
+            if best > 0 {
+                out.push((w.clone(), best as u32));
+            }
+        }
+        out.sort();
+        out
+    }
+}
+
+fn random_tokens(rng: &mut SmallRng, stems: &[Vec<u32>]) -> Vec<u32> {
+    let mut t = stems[rng.gen_range(0..stems.len())].clone();
+    let cut = rng.gen_range(0..=t.len());
+    t.truncate(cut);
+    for _ in 0..rng.gen_range(0..6) {
+        t.push(rng.gen_range(0..4));
+    }
+    t
+}
+
+#[test]
+fn randomized_against_reference() {
+    for seed in 0..300u64 {
+        let mut rng = SmallRng::seed_from_u64(seed);
+        let budget = if seed % 3 == 0 {
+            None
+        } else {
+            Some(rng.gen_range(0..24usize))
+        };
+        let mut idx = PrefixIndex::new(budget.map(|b| b as u64));
+        let mut reference = Reference {
+            budget,
+            ..Default::default()
+        };
+        let stems: Vec<Vec<u32>> = (0..3)
+            .map(|_| {
+                (0..rng.gen_range(1..10))
+                    .map(|_| rng.gen_range(0..3))
+                    .collect()
+            })
+            .collect();
+        let workers = ["w0", "w1", "w2", "w3"];
+        for _step in 0..60 {
+            let w = workers[rng.gen_range(0..workers.len())];
+            match rng.gen_range(0..10) {
+                0 => {
+                    idx.remove_worker(w);
+                    reference.held.remove(w);
+                }
+                1..=5 => {
+                    let t = random_tokens(&mut rng, &stems);
+                    idx.insert(w, &t);
+                    reference.insert(w, &t);
+                }
+                _ => {
+                    let t = random_tokens(&mut rng, &stems);
+                    assert_eq!(
+                        sorted(idx.match_all(&t)),
+                        reference.match_all(&t),
+                        "seed {seed}"
+                    );
+                    let expect_best = reference.match_all(&t).iter().map(|x| x.1).max();
+                    assert_eq!(idx.longest_match(&t).0, expect_best.unwrap_or(0));
+                }
+            }
+            idx.check_invariants();
+            for w in workers {
+                let expect = reference.held.get(w).map_or(0, |s| s.len() as u64);
+                assert_eq!(idx.cached_tokens(w), expect, "seed {seed} worker {w}");
+            }
+        }
+    }
+}
