@@ -234,3 +234,15 @@ def test_threads_share_one_index() -> None:
         assert idx.cached_tokens(f"w{t}") == serial.cached_tokens(f"w{t}") <= 5_000
     probe = batches[2][-1]
     assert idx.match(probe) == serial.match(probe)
+
+
+def test_recycled_worker_ids_report_the_new_name() -> None:
+    """Worker ids are reused after removal; answers must name the current worker."""
+    idx = PrefixIndex()
+    idx.insert("old", [1, 2, 3])
+    assert idx.longest_match([1, 2, 3]) == (3, ["old"])
+    assert idx.match([1, 2]) == {"old": 2}
+    idx.remove_worker("old")
+    idx.insert("new", [1, 2, 3])
+    assert idx.longest_match([1, 2, 3]) == (3, ["new"])
+    assert idx.match([1, 2]) == {"new": 2}

@@ -6,11 +6,12 @@
 //! is touched, so a bad argument never leaves the index half-changed.
 
 use crate::tree::PrefixIndex;
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyString, PyTuple};
+use std::sync::Arc;
 
 /// Convert a Python token container into owned u32s.
 fn extract_tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
@@ -85,6 +86,30 @@ fn token_at(item: &Bound<'_, PyAny>, i: usize) -> PyResult<u32> {
 #[pyclass(name = "PrefixIndex", module = "kvroute._native", frozen)]
 pub struct PyPrefixIndex {
     inner: RwLock<PrefixIndex>,
+    /// Python str objects for worker ids, so answers do not build a new str per worker
+    /// per call. An entry is valid while its `Arc` is the index's current name handle
+    /// for that id (ids are recycled after `remove_worker`).
+    names: Mutex<Vec<Option<NameEntry>>>,
+}
+
+type NameEntry = (Arc<str>, Py<PyString>);
+
+impl PyPrefixIndex {
+    fn py_name(&self, py: Python<'_>, id: u32, handle: &Arc<str>) -> Py<PyString> {
+        let mut names = self.names.lock();
+        let i = id as usize;
+        if names.len() <= i {
+            names.resize_with(i + 1, || None);
+        }
+        if let Some((h, s)) = &names[i] {
+            if Arc::ptr_eq(h, handle) {
+                return s.clone_ref(py);
+            }
+        }
+        let s = PyString::new(py, handle).unbind();
+        names[i] = Some((Arc::clone(handle), s.clone_ref(py)));
+        s
+    }
 }
 
 #[pymethods]
@@ -117,6 +142,7 @@ impl PyPrefixIndex {
         };
         Ok(PyPrefixIndex {
             inner: RwLock::new(PrefixIndex::new(budget)),
+            names: Mutex::new(Vec::new()),
         })
     }
 
@@ -143,10 +169,16 @@ impl PyPrefixIndex {
         tokens: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let tokens = extract_tokens(tokens)?;
-        let out = py.detach(|| self.inner.read().match_all(&tokens));
+        let out: Vec<(u32, Arc<str>, u32)> = py.detach(|| {
+            let g = self.inner.read();
+            g.match_all_ids(&tokens)
+                .into_iter()
+                .map(|(id, len)| (id, g.name_handle(id), len))
+                .collect()
+        });
         let d = PyDict::new(py);
-        for (name, len) in out {
-            d.set_item(name, len)?;
+        for (id, handle, len) in out {
+            d.set_item(self.py_name(py, id, &handle), len)?;
         }
         Ok(d)
     }
@@ -156,9 +188,21 @@ impl PyPrefixIndex {
         &self,
         py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
-    ) -> PyResult<(u32, Vec<String>)> {
+    ) -> PyResult<(u32, Vec<Py<PyString>>)> {
         let tokens = extract_tokens(tokens)?;
-        Ok(py.detach(|| self.inner.read().longest_match(&tokens)))
+        let (len, holders): (u32, Vec<(u32, Arc<str>)>) = py.detach(|| {
+            let g = self.inner.read();
+            let (len, ids) = g.longest_match_ids(&tokens);
+            (
+                len,
+                ids.into_iter().map(|id| (id, g.name_handle(id))).collect(),
+            )
+        });
+        let names = holders
+            .iter()
+            .map(|(id, h)| self.py_name(py, *id, h))
+            .collect();
+        Ok((len, names))
     }
 
     /// Forget a worker and its cached prefixes (no-op if unknown).

@@ -23,6 +23,7 @@
 use crate::children::Children;
 use crate::lru::{LruEntry, LruQueue};
 use rustc_hash::FxHashMap;
+use std::sync::Arc;
 
 const ROOT: u32 = 0;
 const NIL: u32 = u32::MAX;
@@ -69,7 +70,7 @@ impl Node {
 
 #[derive(Debug)]
 struct WorkerState {
-    name: String,
+    name: Arc<str>,
     cached: u64,
     held_nodes: u64,
     lru: LruQueue,
@@ -165,7 +166,7 @@ impl PrefixIndex {
             return id;
         }
         let state = WorkerState {
-            name: name.to_owned(),
+            name: Arc::from(name),
             cached: 0,
             held_nodes: 0,
             lru: LruQueue::default(),
@@ -193,7 +194,11 @@ impl PrefixIndex {
     pub fn workers(&self) -> Vec<String> {
         self.order
             .iter()
-            .filter_map(|&id| self.workers[id as usize].as_ref().map(|w| w.name.clone()))
+            .filter_map(|&id| {
+                self.workers[id as usize]
+                    .as_ref()
+                    .map(|w| w.name.to_string())
+            })
             .collect()
     }
 
@@ -549,6 +554,16 @@ impl PrefixIndex {
             .name
     }
 
+    /// Shared handle to a live worker's name (cheap to clone; bindings cache on it).
+    pub fn name_handle(&self, id: u32) -> Arc<str> {
+        Arc::clone(
+            &self.workers[id as usize]
+                .as_ref()
+                .expect("live worker")
+                .name,
+        )
+    }
+
     // ----------------------------------------------------------------- removal
 
     /// Forget a worker and everything it holds. Unknown workers are ignored.
@@ -603,7 +618,7 @@ impl PrefixIndex {
         }
         let mut cached = 0;
         for w in self.workers.iter().flatten() {
-            bytes += w.lru.heap_bytes() + 2 * w.name.capacity();
+            bytes += w.lru.heap_bytes() + 2 * w.name.len();
             cached += w.cached;
         }
         bytes += self.worker_ids.capacity() * (std::mem::size_of::<(String, u32)>() + 1);
