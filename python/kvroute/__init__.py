@@ -4,7 +4,7 @@ The prefix index (``PrefixIndex``) is implemented in Rust (``kvroute._native``);
 the HTTP router, policies, simulated workers and benchmarks are Python.
 """
 
-from kvroute._native import PrefixIndex
+from kvroute._native import BlockIndex, PrefixIndex, UnknownParentError
 
-__all__ = ["PrefixIndex", "__version__"]
+__all__ = ["BlockIndex", "PrefixIndex", "UnknownParentError", "__version__"]
 __version__ = "0.1.0"

@@ -74,4 +74,60 @@ class PrefixIndex:
     def check_invariants(self) -> None:
         """Raise AssertionError if an internal invariant is broken (for tests)."""
 
-__all__ = ["PrefixIndex"]
+class UnknownParentError(LookupError):
+    """A BlockStored event names a parent block the index does not know: an earlier
+    event was lost, so the worker's state cannot be continued from this event."""
+
+@final
+class BlockIndex:
+    """What each worker really caches, from the engines' KV cache events (precise mode).
+
+    Blocks are keyed by a chain hash of their token IDs computed by kvroute (never the
+    engine's own hash, which is not reproducible); a per-worker map from the engine's
+    hash to that key lets ``removed`` apply. Matches count whole leading blocks.
+    """
+
+    def __new__(cls) -> BlockIndex: ...
+    def stored(
+        self,
+        worker: str,
+        parent_hash: int | None,
+        block_hashes: Iterable[int],
+        token_ids: _Tokens,
+        block_size: int,
+    ) -> None:
+        """Apply ``BlockStored``: ``token_ids`` holds every block's tokens in order.
+
+        Hashes are ints (u64, or i64 as SGLang sends them). Raises UnknownParentError
+        when ``parent_hash`` is unknown for this worker and ValueError when the tokens
+        do not fit the blocks; the index is unchanged then.
+        """
+
+    def removed(self, worker: str, block_hashes: Iterable[int]) -> int:
+        """Apply ``BlockRemoved``; returns how many of the hashes were known."""
+
+    def clear_worker(self, worker: str) -> None:
+        """Apply ``AllBlocksCleared``, or drop a worker's state after a restart."""
+
+    def remove_worker(self, worker: str) -> None:
+        """Forget the worker entirely."""
+
+    def match(self, tokens: _Tokens) -> dict[str, int]:
+        """Tokens in whole leading blocks held, per worker holding at least one block."""
+
+    def cached_tokens(self, worker: str) -> int:
+        """Tokens held by the worker (blocks x block size)."""
+
+    def cached_blocks(self, worker: str) -> int:
+        """Distinct blocks held by the worker."""
+
+    def block_size(self, worker: str) -> int | None:
+        """The worker's block size as reported by its events, None before any."""
+
+    def workers(self) -> list[str]:
+        """Workers that have sent events."""
+
+    def distinct_blocks(self) -> int:
+        """Distinct blocks over the whole fleet."""
+
+__all__ = ["BlockIndex", "PrefixIndex", "UnknownParentError"]

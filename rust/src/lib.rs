@@ -3,6 +3,7 @@
 //! The core modules are plain Rust (no PyO3) so that `cargo test` and the criterion
 //! benches run without Python; the binding lives in `python` behind the `python` feature.
 
+pub mod blocks;
 pub mod children;
 pub mod lru;
 pub mod tree;
@@ -10,4 +11,5 @@ pub mod tree;
 #[cfg(feature = "python")]
 mod python;
 
+pub use blocks::{BlockIndex, EventError};
 pub use tree::{IndexStats, PrefixIndex};

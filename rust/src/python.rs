@@ -5,6 +5,7 @@
 //! converted element by element with a range check. Conversion happens before the index
 //! is touched, so a bad argument never leaves the index half-changed.
 
+use crate::blocks::{BlockIndex, EventError};
 use crate::tree::PrefixIndex;
 use parking_lot::{Mutex, RwLock};
 use pyo3::buffer::PyBuffer;
@@ -273,9 +274,146 @@ impl PyPrefixIndex {
     }
 }
 
+pyo3::create_exception!(
+    _native,
+    UnknownParentError,
+    pyo3::exceptions::PyLookupError,
+    "A BlockStored event names a parent block the index does not know (an event was lost)."
+);
+
+/// Engine block hashes as u64: vLLM sends unsigned 64-bit ints, SGLang signed ones
+/// (taken as their two's complement); bytes hashes are converted by the caller.
+fn extract_hashes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    let mut out = Vec::new();
+    for (i, item) in obj.try_iter()?.enumerate() {
+        out.push(hash_at(&item?, i)?);
+    }
+    Ok(out)
+}
+
+fn hash_at(item: &Bound<'_, PyAny>, i: usize) -> PyResult<u64> {
+    if let Ok(v) = item.extract::<u64>() {
+        return Ok(v);
+    }
+    if let Ok(v) = item.extract::<i64>() {
+        return Ok(v as u64);
+    }
+    Err(PyValueError::new_err(format!(
+        "block hash at position {i} must be an int in [-2**63, 2**64), got {}",
+        item.repr().map(|r| r.to_string()).unwrap_or_default()
+    )))
+}
+
+fn event_error(e: EventError) -> PyErr {
+    match e {
+        EventError::UnknownParent(h) => {
+            UnknownParentError::new_err(format!("unknown parent block hash {h}"))
+        }
+        EventError::Malformed(m) => PyValueError::new_err(m),
+    }
+}
+
+/// Block-level index of what each worker really caches, fed by KV events.
+#[pyclass(name = "BlockIndex", module = "kvroute._native", frozen)]
+pub struct PyBlockIndex {
+    inner: RwLock<BlockIndex>,
+}
+
+#[pymethods]
+impl PyBlockIndex {
+    #[new]
+    fn new() -> Self {
+        PyBlockIndex {
+            inner: RwLock::new(BlockIndex::new()),
+        }
+    }
+
+    #[pyo3(signature = (worker, parent_hash, block_hashes, token_ids, block_size))]
+    fn stored(
+        &self,
+        py: Python<'_>,
+        worker: &str,
+        parent_hash: Option<&Bound<'_, PyAny>>,
+        block_hashes: &Bound<'_, PyAny>,
+        token_ids: &Bound<'_, PyAny>,
+        block_size: usize,
+    ) -> PyResult<()> {
+        let parent = match parent_hash {
+            Some(p) if !p.is_none() => Some(hash_at(p, 0)?),
+            _ => None,
+        };
+        let hashes = extract_hashes(block_hashes)?;
+        let tokens = extract_tokens(token_ids)?;
+        py.detach(|| {
+            self.inner
+                .write()
+                .stored(worker, parent, &hashes, &tokens, block_size)
+        })
+        .map_err(event_error)
+    }
+
+    fn removed(
+        &self,
+        py: Python<'_>,
+        worker: &str,
+        block_hashes: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let hashes = extract_hashes(block_hashes)?;
+        Ok(py.detach(|| self.inner.write().removed(worker, &hashes)))
+    }
+
+    fn clear_worker(&self, py: Python<'_>, worker: &str) {
+        py.detach(|| self.inner.write().clear_worker(worker));
+    }
+
+    fn remove_worker(&self, py: Python<'_>, worker: &str) {
+        py.detach(|| self.inner.write().remove_worker(worker));
+    }
+
+    #[pyo3(name = "match")]
+    fn match_<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let tokens = extract_tokens(tokens)?;
+        let out = py.detach(|| self.inner.read().match_all(&tokens));
+        let d = PyDict::new(py);
+        for (name, len) in out {
+            d.set_item(name, len)?;
+        }
+        Ok(d)
+    }
+
+    fn cached_tokens(&self, worker: &str) -> u64 {
+        self.inner.read().cached_tokens(worker)
+    }
+
+    fn cached_blocks(&self, worker: &str) -> u64 {
+        self.inner.read().cached_blocks(worker)
+    }
+
+    fn block_size(&self, worker: &str) -> Option<usize> {
+        self.inner.read().block_size(worker)
+    }
+
+    fn workers(&self) -> Vec<String> {
+        self.inner.read().workers()
+    }
+
+    fn distinct_blocks(&self) -> u64 {
+        self.inner.read().distinct_blocks()
+    }
+}
+
 #[pymodule]
 #[pyo3(name = "_native")]
 fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPrefixIndex>()?;
+    m.add_class::<PyBlockIndex>()?;
+    m.add(
+        "UnknownParentError",
+        m.py().get_type::<UnknownParentError>(),
+    )?;
     Ok(())
 }

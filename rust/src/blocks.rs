@@ -1,0 +1,428 @@
+//! The precise index: what each worker really caches, from the engines' KV events.
+//!
+//! vLLM and SGLang publish `BlockStored` (block hashes, parent hash, the blocks' token
+//! IDs), `BlockRemoved` (hashes) and `AllBlocksCleared`. The engines' own hashes are not
+//! reproducible by a router (they depend on a per-process seed and hash settings), so
+//! every stored block gets a key of ours, chained from its token IDs:
+//!
+//! ```text
+//! key(block i) = mix(key(block i-1), tokens of block i)      key(before block 0) = SEED
+//! ```
+//!
+//! and a per-worker map from the engine's hash to our key lets `BlockRemoved` apply. To
+//! match a request, its tokens are cut into blocks of the worker's block size, the same
+//! chain is computed, and a worker's match is the number of leading blocks it holds,
+//! times the block size: whole blocks only, as the engine reuses them.
+//!
+//! Cost: one pass of hashing over the request per distinct block size in the fleet,
+//! then one hash-map probe per block while any worker still matches.
+
+use rustc_hash::{FxHashMap, FxHashSet};
+
+const SEED: u64 = 0x6b76_726f_7574_6521; // "kvroute!"
+
+/// The final mixer of MurmurHash3 (fmix64): full avalanche on 64 bits.
+#[inline]
+fn fmix64(mut k: u64) -> u64 {
+    k ^= k >> 33;
+    k = k.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    k ^= k >> 33;
+    k = k.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    k ^ (k >> 33)
+}
+
+/// Our key for a block whose predecessor has key `parent`.
+#[inline]
+pub fn block_key(parent: u64, tokens: &[u32]) -> u64 {
+    let mut h = fmix64(parent ^ (tokens.len() as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    let mut chunks = tokens.chunks_exact(2);
+    for c in &mut chunks {
+        let w = (c[0] as u64) | ((c[1] as u64) << 32);
+        h = (h.rotate_left(23) ^ w).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+    for &t in chunks.remainder() {
+        h = (h.rotate_left(23) ^ t as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+    fmix64(h)
+}
+
+/// Keys of the full blocks of `tokens` at `block_size`.
+pub fn chain_keys(tokens: &[u32], block_size: usize) -> Vec<u64> {
+    let mut out = Vec::with_capacity(tokens.len() / block_size.max(1));
+    let mut parent = SEED;
+    for block in tokens.chunks_exact(block_size.max(1)) {
+        parent = block_key(parent, block);
+        out.push(parent);
+    }
+    out
+}
+
+/// Why an event could not be applied.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EventError {
+    /// `BlockStored` names a parent block this worker's state does not know: an
+    /// earlier event was lost, so the chain cannot be continued.
+    UnknownParent(u64),
+    /// The event's shape is inconsistent (e.g. fewer tokens than blocks).
+    Malformed(String),
+}
+
+impl std::fmt::Display for EventError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            EventError::UnknownParent(h) => write!(f, "unknown parent block hash {h}"),
+            EventError::Malformed(m) => write!(f, "malformed event: {m}"),
+        }
+    }
+}
+
+impl std::error::Error for EventError {}
+
+#[derive(Debug, Default)]
+struct WorkerBlocks {
+    name: String,
+    block_size: usize,
+    /// Engine hash -> our key.
+    engine_to_key: FxHashMap<u64, u64>,
+    /// Our key -> how many engine blocks of this worker map to it.
+    keys: FxHashMap<u64, u32>,
+}
+
+/// Block-level index fed by KV events.
+#[derive(Debug, Default)]
+pub struct BlockIndex {
+    workers: Vec<Option<WorkerBlocks>>,
+    ids: FxHashMap<String, u32>,
+    free_ids: Vec<u32>,
+    /// Our key -> workers holding that block.
+    holders: FxHashMap<u64, Vec<u32>>,
+}
+
+impl BlockIndex {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn intern(&mut self, name: &str) -> u32 {
+        if let Some(&id) = self.ids.get(name) {
+            return id;
+        }
+        let w = WorkerBlocks {
+            name: name.to_owned(),
+            ..Default::default()
+        };
+        let id = if let Some(id) = self.free_ids.pop() {
+            self.workers[id as usize] = Some(w);
+            id
+        } else {
+            self.workers.push(Some(w));
+            (self.workers.len() - 1) as u32
+        };
+        self.ids.insert(name.to_owned(), id);
+        id
+    }
+
+    fn worker(&self, name: &str) -> Option<&WorkerBlocks> {
+        self.ids
+            .get(name)
+            .and_then(|&id| self.workers[id as usize].as_ref())
+    }
+
+    /// Apply `BlockStored`. `parent` is the engine hash of the block before the first
+    /// one (None at the start of a sequence). `token_ids` holds all the blocks' tokens.
+    /// On error nothing changes.
+    pub fn stored(
+        &mut self,
+        worker: &str,
+        parent: Option<u64>,
+        engine_hashes: &[u64],
+        token_ids: &[u32],
+        block_size: usize,
+    ) -> Result<(), EventError> {
+        if engine_hashes.is_empty() {
+            return Ok(());
+        }
+        if block_size == 0 {
+            return Err(EventError::Malformed("block_size 0".into()));
+        }
+        let n = engine_hashes.len();
+        if token_ids.len() <= (n - 1) * block_size || token_ids.len() > n * block_size {
+            return Err(EventError::Malformed(format!(
+                "{} tokens for {n} blocks of {block_size}",
+                token_ids.len()
+            )));
+        }
+        let wid = self.intern(worker);
+        let w = self.workers[wid as usize].as_mut().expect("live");
+        let mut key = match parent {
+            None => SEED,
+            Some(p) => match w.engine_to_key.get(&p) {
+                Some(&k) => k,
+                None => return Err(EventError::UnknownParent(p)),
+            },
+        };
+        w.block_size = block_size;
+        for (i, &h) in engine_hashes.iter().enumerate() {
+            let start = i * block_size;
+            let end = ((i + 1) * block_size).min(token_ids.len());
+            key = block_key(key, &token_ids[start..end]);
+            if let Some(old) = w.engine_to_key.insert(h, key) {
+                if old == key {
+                    continue; // the same block reported twice
+                }
+                Self::release(&mut self.holders, w, wid, old);
+            }
+            let count = w.keys.entry(key).or_insert(0);
+            *count += 1;
+            if *count == 1 {
+                self.holders.entry(key).or_default().push(wid);
+            }
+        }
+        Ok(())
+    }
+
+    fn release(holders: &mut FxHashMap<u64, Vec<u32>>, w: &mut WorkerBlocks, wid: u32, key: u64) {
+        if let Some(c) = w.keys.get_mut(&key) {
+            *c -= 1;
+            if *c == 0 {
+                w.keys.remove(&key);
+                if let Some(hs) = holders.get_mut(&key) {
+                    hs.retain(|&x| x != wid);
+                    if hs.is_empty() {
+                        holders.remove(&key);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Apply `BlockRemoved`. Unknown hashes are ignored; returns how many were known.
+    pub fn removed(&mut self, worker: &str, engine_hashes: &[u64]) -> usize {
+        let Some(&wid) = self.ids.get(worker) else {
+            return 0;
+        };
+        let w = self.workers[wid as usize].as_mut().expect("live");
+        let mut known = 0;
+        for h in engine_hashes {
+            if let Some(key) = w.engine_to_key.remove(h) {
+                Self::release(&mut self.holders, w, wid, key);
+                known += 1;
+            }
+        }
+        known
+    }
+
+    /// Apply `AllBlocksCleared` (or drop a worker's state after a restart or a gap):
+    /// the worker stays known with nothing cached.
+    pub fn clear_worker(&mut self, worker: &str) {
+        let Some(&wid) = self.ids.get(worker) else {
+            return;
+        };
+        let w = self.workers[wid as usize].as_mut().expect("live");
+        for key in w.keys.keys() {
+            if let Some(hs) = self.holders.get_mut(key) {
+                hs.retain(|&x| x != wid);
+                if hs.is_empty() {
+                    self.holders.remove(key);
+                }
+            }
+        }
+        w.keys = FxHashMap::default();
+        w.engine_to_key = FxHashMap::default();
+    }
+
+    /// Forget a worker entirely.
+    pub fn remove_worker(&mut self, worker: &str) {
+        self.clear_worker(worker);
+        if let Some(id) = self.ids.remove(worker) {
+            self.workers[id as usize] = None;
+            self.free_ids.push(id);
+        }
+    }
+
+    /// Tokens the worker holds in whole blocks.
+    pub fn cached_tokens(&self, worker: &str) -> u64 {
+        self.worker(worker)
+            .map_or(0, |w| (w.keys.len() * w.block_size) as u64)
+    }
+
+    /// Blocks the worker holds (distinct keys).
+    pub fn cached_blocks(&self, worker: &str) -> u64 {
+        self.worker(worker).map_or(0, |w| w.keys.len() as u64)
+    }
+
+    pub fn block_size(&self, worker: &str) -> Option<usize> {
+        self.worker(worker).map(|w| w.block_size).filter(|&b| b > 0)
+    }
+
+    pub fn workers(&self) -> Vec<String> {
+        self.workers
+            .iter()
+            .flatten()
+            .map(|w| w.name.clone())
+            .collect()
+    }
+
+    /// Matched tokens (whole leading blocks) per worker holding at least one block.
+    pub fn match_all(&self, tokens: &[u32]) -> Vec<(String, u32)> {
+        let mut sizes: Vec<usize> = self
+            .workers
+            .iter()
+            .flatten()
+            .filter(|w| w.block_size > 0 && !w.keys.is_empty())
+            .map(|w| w.block_size)
+            .collect();
+        sizes.sort_unstable();
+        sizes.dedup();
+        let mut out = Vec::new();
+        for bs in sizes {
+            let mut active: Vec<u32> = Vec::new();
+            let mut first = true;
+            let mut parent = SEED;
+            for (i, block) in tokens.chunks_exact(bs).enumerate() {
+                parent = block_key(parent, block);
+                let holders: &[u32] = self.holders.get(&parent).map_or(&[], |v| v.as_slice());
+                let holders_here = holders.iter().copied().filter(|&id| {
+                    self.workers[id as usize]
+                        .as_ref()
+                        .is_some_and(|w| w.block_size == bs)
+                });
+                if first {
+                    active = holders_here.collect();
+                    first = false;
+                } else {
+                    let next: FxHashSet<u32> = holders_here.collect();
+                    active.retain(|id| {
+                        let keep = next.contains(id);
+                        if !keep {
+                            out.push((self.name(*id), (i * bs) as u32));
+                        }
+                        keep
+                    });
+                }
+                if active.is_empty() {
+                    break;
+                }
+            }
+            let full = (tokens.len() / bs * bs) as u32;
+            out.extend(active.into_iter().map(|id| (self.name(id), full)));
+        }
+        out.retain(|&(_, n)| n > 0);
+        out
+    }
+
+    fn name(&self, id: u32) -> String {
+        self.workers[id as usize]
+            .as_ref()
+            .map_or_else(String::new, |w| w.name.clone())
+    }
+
+    /// Distinct blocks stored over all workers.
+    pub fn distinct_blocks(&self) -> u64 {
+        self.holders.len() as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn toks(n: usize, base: u32) -> Vec<u32> {
+        (0..n as u32).map(|i| base + i).collect()
+    }
+
+    fn sorted(mut v: Vec<(String, u32)>) -> Vec<(String, u32)> {
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn chain_is_prefix_sensitive() {
+        let a = chain_keys(&toks(8, 0), 4);
+        let mut other = toks(8, 0);
+        other[0] = 99;
+        let b = chain_keys(&other, 4);
+        assert_eq!(a.len(), 2);
+        assert_ne!(a[1], b[1], "a change in block 0 changes every later key");
+        assert_eq!(chain_keys(&toks(7, 0), 4), a[..1].to_vec());
+    }
+
+    #[test]
+    fn stored_then_matched_in_whole_blocks() {
+        let mut idx = BlockIndex::new();
+        let t = toks(12, 100);
+        idx.stored("w1", None, &[11, 12], &t[..8], 4).unwrap();
+        idx.stored("w1", Some(12), &[13], &t[8..12], 4).unwrap();
+        idx.stored("w2", None, &[21], &t[..4], 4).unwrap();
+        assert_eq!(
+            sorted(idx.match_all(&toks(14, 100))),
+            vec![("w1".into(), 12), ("w2".into(), 4)]
+        );
+        // A request that diverges inside block 1 only gets block 0.
+        let mut q = toks(12, 100);
+        q[5] = 0;
+        assert_eq!(
+            sorted(idx.match_all(&q)),
+            vec![("w1".into(), 4), ("w2".into(), 4)]
+        );
+        assert_eq!(idx.cached_tokens("w1"), 12);
+    }
+
+    #[test]
+    fn removal_and_clear() {
+        let mut idx = BlockIndex::new();
+        let t = toks(8, 0);
+        idx.stored("w", None, &[1, 2], &t, 4).unwrap();
+        assert_eq!(idx.removed("w", &[2, 999]), 1);
+        assert_eq!(idx.match_all(&t), vec![("w".into(), 4)]);
+        // Removing a leading block breaks the prefix even if later blocks remain.
+        idx.stored("w", Some(1), &[2], &t[4..], 4).unwrap();
+        idx.removed("w", &[1]);
+        assert!(idx.match_all(&t).is_empty());
+        idx.clear_worker("w");
+        assert_eq!(idx.cached_tokens("w"), 0);
+        assert_eq!(idx.distinct_blocks(), 0);
+        assert_eq!(idx.workers(), vec!["w".to_string()]);
+    }
+
+    #[test]
+    fn unknown_parent_is_an_error_and_changes_nothing() {
+        let mut idx = BlockIndex::new();
+        let err = idx.stored("w", Some(42), &[1], &toks(4, 0), 4);
+        assert_eq!(err, Err(EventError::UnknownParent(42)));
+        assert_eq!(idx.cached_tokens("w"), 0);
+        assert!(idx.stored("w", None, &[1, 2], &toks(3, 0), 4).is_err());
+    }
+
+    #[test]
+    fn duplicate_and_rehashed_blocks_are_counted_once() {
+        let mut idx = BlockIndex::new();
+        let t = toks(4, 0);
+        idx.stored("w", None, &[1], &t, 4).unwrap();
+        idx.stored("w", None, &[1], &t, 4).unwrap();
+        idx.stored("w", None, &[7], &t, 4).unwrap(); // same content, other engine hash
+        assert_eq!(idx.cached_blocks("w"), 1);
+        idx.removed("w", &[1]);
+        assert_eq!(
+            idx.match_all(&t),
+            vec![("w".into(), 4)],
+            "hash 7 still holds it"
+        );
+        idx.removed("w", &[7]);
+        assert!(idx.match_all(&t).is_empty());
+    }
+
+    #[test]
+    fn workers_with_different_block_sizes() {
+        let mut idx = BlockIndex::new();
+        let t = toks(64, 0);
+        idx.stored("a", None, &[1, 2], &t[..32], 16).unwrap();
+        idx.stored("b", None, &[5], &t[..32], 32).unwrap();
+        assert_eq!(
+            sorted(idx.match_all(&t)),
+            vec![("a".into(), 32), ("b".into(), 32)]
+        );
+        idx.remove_worker("a");
+        assert_eq!(idx.match_all(&t), vec![("b".into(), 32)]);
+    }
+}
