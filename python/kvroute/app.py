@@ -1,0 +1,385 @@
+"""The router's HTTP service (FastAPI): endpoints, lifespan, auth and admission.
+
+One shared ``httpx.AsyncClient``, tokenizer and health-check task per app, created in
+the lifespan. Request bodies are read as bytes and forwarded unchanged; handlers parse
+JSON with orjson only to find the prompt, never through per-request pydantic models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote
+
+import httpx
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+from kvroute import __version__
+from kvroute._native import PrefixIndex
+from kvroute.config import ConfigError, Settings, normalize_worker_url
+from kvroute.errors import (
+    BadRequestError,
+    ForbiddenError,
+    NotFoundError,
+    OverloadedError,
+    RouterError,
+    UnauthorizedError,
+    error_response,
+)
+from kvroute.metrics import RouterMetrics
+from kvroute.policies import Policy, create_policy
+from kvroute.proxy import Forwarder, ProxyStream, parse_object, read_body
+from kvroute.tokenization import PromptTokenizer
+from kvroute.workers import Registry
+
+log = logging.getLogger("kvroute.app")
+
+OPENAI_BODY = {
+    "requestBody": {
+        "content": {"application/json": {"schema": {"type": "object"}}},
+        "required": True,
+    }
+}
+
+
+class Admission:
+    """Bounded concurrency with a bounded wait queue (0 = unlimited)."""
+
+    def __init__(self, limit: int, queue: int, timeout_s: float) -> None:
+        self.limit = limit
+        self.queue = queue
+        self.timeout_s = timeout_s
+        self.active = 0
+        self.waiting = 0
+        self._cond = asyncio.Condition()
+
+    async def acquire(self) -> None:
+        if self.limit <= 0:
+            self.active += 1
+            return
+        if self.active < self.limit and self.waiting == 0:
+            self.active += 1
+            return
+        if self.waiting >= self.queue:
+            raise OverloadedError(
+                "router at capacity and its wait queue is full", headers={"Retry-After": "1"}
+            )
+        self.waiting += 1
+        try:
+            async with self._cond:
+                await asyncio.wait_for(
+                    self._cond.wait_for(lambda: self.active < self.limit), self.timeout_s
+                )
+                self.active += 1
+        except TimeoutError:
+            raise OverloadedError(
+                "timed out waiting for a free slot", headers={"Retry-After": "1"}
+            ) from None
+        finally:
+            self.waiting -= 1
+
+    async def release(self) -> None:
+        self.active -= 1
+        if self.limit > 0:
+            async with self._cond:
+                self._cond.notify()
+
+
+@dataclass
+class RouterState:
+    settings: Settings
+    index: PrefixIndex
+    policy: Policy
+    registry: Registry
+    tokenizer: PromptTokenizer
+    metrics: RouterMetrics
+    admission: Admission
+    client: httpx.AsyncClient = field(init=False)
+    started: float = field(default_factory=time.time)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "workers": self.workers_json(),
+            "index": self.index.stats(),
+            "tokenizer": self.tokenizer.cache_stats(),
+        }
+
+    def workers_json(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        return [
+            {
+                "url": w.url,
+                "healthy": w.available(now),
+                "in_flight": w.in_flight,
+                "cached_tokens": self.index.cached_tokens(w.url),
+                "requests_served": w.served,
+                "failures": w.failed,
+                "down_reason": w.down_reason or None,
+                "circuit_open": now < w.circuit_open_until,
+                "mode": "approximate",
+            }
+            for w in self.registry.workers.values()
+        ]
+
+
+def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) -> RouterState:
+    index = PrefixIndex(settings.max_tree_size)
+    policy = create_policy(
+        settings.policy,
+        index,
+        cache_threshold=settings.cache_threshold,
+        balance_abs_threshold=settings.balance_abs_threshold,
+        balance_rel_threshold=settings.balance_rel_threshold,
+        prefix_hash_tokens=settings.prefix_hash_tokens,
+        bounded_load_factor=settings.bounded_load_factor,
+    )
+    registry = Registry(settings, on_down=policy.on_worker_removed, on_added=policy.on_worker_added)
+    state = RouterState(
+        settings=settings,
+        index=index,
+        policy=policy,
+        registry=registry,
+        tokenizer=tokenizer or PromptTokenizer(settings.tokenizer, settings.tokenizer_cache_size),
+        metrics=None,  # type: ignore[arg-type]  # set below: it needs the state
+        admission=Admission(
+            settings.max_concurrent_requests,
+            settings.max_queued_requests,
+            settings.queue_timeout_secs,
+        ),
+    )
+    state.metrics = RouterMetrics(state.snapshot)
+    for url in settings.worker_urls:
+        registry.add(url)
+    return state
+
+
+async def health_loop(state: RouterState) -> None:
+    s = state.settings
+    while True:
+        urls = list(state.registry.workers)
+
+        async def check(url: str) -> None:
+            try:
+                r = await state.client.get(
+                    url + s.health_check_endpoint, timeout=s.health_check_timeout_secs
+                )
+                state.registry.record_check(url, r.status_code == 200, f"HTTP {r.status_code}")
+            except httpx.HTTPError as e:
+                state.registry.record_check(url, False, type(e).__name__)
+
+        try:
+            await asyncio.gather(*(check(u) for u in urls))
+        except Exception:  # never let one bad check end health checking
+            log.exception("health check round failed")
+        await asyncio.sleep(s.health_check_interval_secs)
+
+
+def _bearer(request: Request) -> str:
+    auth = request.headers.get("authorization", "")
+    return auth[7:] if auth[:7].lower() == "bearer " else ""
+
+
+def _key_ok(given: str, expected: str) -> bool:
+    return hmac.compare_digest(given.encode(), expected.encode())
+
+
+def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> FastAPI:
+    state = build_state(settings, tokenizer)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        s = state.settings
+        state.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(
+                connect=s.connect_timeout_secs,
+                read=s.first_byte_timeout_secs,
+                write=s.connect_timeout_secs,
+                pool=s.queue_timeout_secs,
+            ),
+            limits=httpx.Limits(
+                max_connections=2048, max_keepalive_connections=512, keepalive_expiry=30
+            ),
+            trust_env=False,
+        )
+        task = asyncio.create_task(health_loop(state))
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await state.client.aclose()
+
+    app = FastAPI(
+        title="kvroute", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
+    )
+    app.state.router = state
+    forwarder = Forwarder(state)
+
+    # ------------------------------------------------------------- errors
+
+    @app.exception_handler(RouterError)
+    async def router_error(_: Request, exc: RouterError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(
+            exc.status_code, str(exc.detail), type_, code, dict(exc.headers or {})
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> Response:
+        return error_response(400, "invalid request", "invalid_request_error", "invalid_request")
+
+    # ------------------------------------------------------------- auth
+
+    def check_api_key(request: Request) -> None:
+        key = state.settings.api_key
+        if key and not _key_ok(_bearer(request), key):
+            raise UnauthorizedError("missing or invalid API key (Authorization: Bearer ...)")
+
+    def check_admin(request: Request) -> None:
+        key = state.settings.admin_api_key
+        if key:
+            if not _key_ok(_bearer(request), key):
+                raise UnauthorizedError("admin endpoints need the admin API key")
+        elif not state.settings.loopback_only:
+            raise ForbiddenError(
+                "admin endpoints are disabled: set --admin-api-key to use them "
+                "when the router listens beyond loopback",
+                code="admin_disabled",
+            )
+
+    # ------------------------------------------------------------- inference
+
+    async def inference(request: Request, kind: str, path: str) -> Response:
+        check_api_key(request)
+        await state.admission.acquire()
+        try:
+            response = await forwarder.forward(request, kind, path)
+        except RouterError as e:
+            await state.admission.release()
+            state.metrics.requests.labels(kind, str(e.status)).inc()
+            raise
+        except BaseException:
+            await state.admission.release()
+            raise
+        if isinstance(response, ProxyStream):
+            inner = response._cleanup
+
+            async def cleanup() -> None:
+                try:
+                    await inner()
+                finally:
+                    await state.admission.release()
+
+            response._cleanup = cleanup
+        else:
+            await state.admission.release()
+        return response
+
+    @app.post("/v1/chat/completions", openapi_extra=OPENAI_BODY)
+    async def chat(request: Request) -> Response:
+        return await inference(request, "chat", "/v1/chat/completions")
+
+    @app.post("/v1/completions", openapi_extra=OPENAI_BODY)
+    async def completions(request: Request) -> Response:
+        return await inference(request, "completions", "/v1/completions")
+
+    @app.post("/generate", openapi_extra=OPENAI_BODY)
+    async def generate(request: Request) -> Response:
+        return await inference(request, "generate", "/generate")
+
+    # ------------------------------------------------------------- fleet
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        check_api_key(request)
+
+        async def fetch(url: str) -> list[Any]:
+            try:
+                r = await state.client.get(url + "/v1/models", timeout=5.0)
+                data = r.json().get("data", [])
+                return data if isinstance(data, list) else []
+            except (httpx.HTTPError, ValueError, AttributeError):
+                return []
+
+        seen: dict[str, Any] = {}
+        for data in await asyncio.gather(*(fetch(u) for u in state.registry.loads())):
+            for m in data:
+                if isinstance(m, dict) and isinstance(m.get("id"), str):
+                    seen.setdefault(m["id"], m)
+        return JSONResponse({"object": "list", "data": list(seen.values())})
+
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/readiness")
+    async def readiness() -> Response:
+        n = state.registry.healthy_count()
+        if n == 0:
+            return error_response(
+                503, "no healthy worker", "service_unavailable", "no_healthy_worker"
+            )
+        return JSONResponse({"status": "ready", "healthy_workers": n})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/workers")
+    async def list_workers(request: Request) -> Response:
+        check_api_key(request)
+        return Response(orjson.dumps(state.workers_json()), media_type="application/json")
+
+    @app.post("/workers", openapi_extra=OPENAI_BODY)
+    async def add_worker(request: Request) -> Response:
+        check_admin(request)
+        obj = parse_object(await read_body(request, 64 * 1024))
+        try:
+            url = normalize_worker_url(obj.get("url"))  # type: ignore[arg-type]
+        except ConfigError as e:
+            raise BadRequestError(str(e)) from None
+        existed = url in state.registry.workers
+        state.registry.add(url)
+        return JSONResponse({"url": url, "added": not existed}, status_code=200 if existed else 201)
+
+    @app.delete("/workers/{url:path}")
+    async def remove_worker(request: Request, url: str) -> Response:
+        check_admin(request)
+        target = unquote(url).rstrip("/")
+        if state.registry.remove(target) is None:
+            raise NotFoundError(f"no worker {target!r}")
+        return JSONResponse({"url": target, "removed": True})
+
+    @app.post("/flush_cache")
+    async def flush_cache(request: Request) -> Response:
+        check_admin(request)
+        results: dict[str, int | str] = {}
+        for url in list(state.registry.workers):
+            try:
+                r = await state.client.post(url + "/flush_cache", timeout=10.0)
+                if r.status_code == 404:
+                    r = await state.client.post(url + "/reset_prefix_cache", timeout=10.0)
+                results[url] = r.status_code
+            except httpx.HTTPError as e:
+                results[url] = type(e).__name__
+        state.policy.clear()
+        state.index.clear()
+        return JSONResponse({"index_cleared": True, "workers": results})
+
+    return app

@@ -1,0 +1,134 @@
+"""Replay a workload against an HTTP endpoint and measure what clients see.
+
+Used by ``kvroute demo`` and ``bench/routing_quality.py``. Each request is sent at its
+arrival time (scaled by ``time_scale``) as a streaming ``/v1/completions`` call whose
+``prompt`` is the token-ID list, so every router and worker sees exactly the same
+tokens whatever tokenizer they carry. Time to first token is measured at the first
+streamed chunk that carries text; cached prompt tokens come from the worker's own
+``usage.prompt_tokens_details.cached_tokens`` (passed through by every router), so a
+router is judged by the workers' accounting, not by its own claims.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import httpx
+import orjson
+
+
+class ReplayRequest(Protocol):
+    """What the load generator needs of a workload request."""
+
+    @property
+    def arrival_s(self) -> float: ...
+    @property
+    def tokens(self) -> Sequence[int]: ...
+    @property
+    def output_len(self) -> int: ...
+
+
+@dataclass(slots=True)
+class Outcome:
+    status: int
+    ttft_s: float
+    e2e_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    error: str = ""
+
+
+def _body(req: ReplayRequest, model: str) -> bytes:
+    return orjson.dumps(
+        {
+            "model": model,
+            "prompt": list(req.tokens),
+            "max_tokens": int(req.output_len),
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+            "temperature": 0,
+        }
+    )
+
+
+async def _one(client: httpx.AsyncClient, url: str, req: ReplayRequest, model: str) -> Outcome:
+    start = time.perf_counter()
+    ttft = float("nan")
+    usage: dict[str, Any] = {}
+    try:
+        async with client.stream(
+            "POST",
+            url + "/v1/completions",
+            content=_body(req, model),
+            headers={"content-type": "application/json"},
+        ) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")[:200]
+                end = time.perf_counter() - start
+                return Outcome(resp.status_code, end, end, len(req.tokens), 0, 0, text)
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = orjson.loads(data)
+                if ttft != ttft and any(c.get("text") for c in chunk.get("choices") or []):
+                    ttft = time.perf_counter() - start
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+    except httpx.HTTPError as e:
+        end = time.perf_counter() - start
+        return Outcome(0, end, end, len(req.tokens), 0, 0, f"{type(e).__name__}: {e}")
+    end = time.perf_counter() - start
+    details = usage.get("prompt_tokens_details") or {}
+    return Outcome(
+        status=200,
+        ttft_s=ttft if ttft == ttft else end,
+        e2e_s=end,
+        prompt_tokens=int(usage.get("prompt_tokens", len(req.tokens))),
+        cached_tokens=int(details.get("cached_tokens") or 0),
+        output_tokens=int(usage.get("completion_tokens", 0)),
+    )
+
+
+async def replay(
+    url: str,
+    requests: Sequence[ReplayRequest],
+    *,
+    time_scale: float = 1.0,
+    model: str = "sim",
+    max_in_flight: int = 1024,
+    timeout_s: float = 600.0,
+    on_done: Callable[[], None] | None = None,
+) -> tuple[list[Outcome], float]:
+    """Send ``requests`` to ``url`` at their arrival times divided by ``time_scale``.
+
+    Returns the outcomes (in request order) and the wall time of the whole replay.
+    ``max_in_flight`` bounds open connections; arrivals past it wait for a slot.
+    """
+    limits = httpx.Limits(max_connections=max_in_flight, max_keepalive_connections=max_in_flight)
+    sem = asyncio.Semaphore(max_in_flight)
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits, trust_env=False
+    ) as client:
+        t0 = time.perf_counter()
+
+        async def launch(req: ReplayRequest) -> Outcome:
+            delay = req.arrival_s / time_scale - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            async with sem:
+                out = await _one(client, url, req, model)
+            if on_done is not None:
+                on_done()
+            return out
+
+        outcomes = await asyncio.gather(*(launch(r) for r in requests))
+        return list(outcomes), time.perf_counter() - t0

@@ -1,0 +1,87 @@
+"""cache_aware: send a request where its prefix is cached, unless the fleet is imbalanced.
+
+SGLang's rule with its defaults, on token IDs:
+
+1. ``loads`` are in-flight requests per *healthy* worker, as reserved by the router at
+   the moment of each choice (a burst cannot all see the same idle worker).
+2. Imbalanced fleet: ``max - min > balance_abs_threshold`` (64) **and**
+   ``max > balance_rel_threshold * min`` (1.5) -> the least-loaded worker.
+3. Otherwise ``match_rate = longest matched prefix / request tokens``. Above
+   ``cache_threshold`` (0.3) -> among the workers holding that longest match, the least
+   loaded. At or below -> the least-loaded worker of the fleet (a new prefix).
+4. The request's tokens are inserted into the index for the chosen worker: the router
+   predicts that the worker now caches them.
+
+Corrections to SGLang's version: min/max over healthy workers only; ties between
+equally good workers go to the least loaded and then rotate (no "first worker wins",
+which piles every new prefix onto one worker at low load); if the workers holding the
+longest match are all unhealthy, the best healthy match is used instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from kvroute._native import PrefixIndex
+from kvroute.policies._common import TieBreaker
+from kvroute.policies.base import Decision, NoWorkerError, Policy, Reason, RouteRequest
+
+
+class CacheAware(Policy):
+    name = "cache_aware"
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        *,
+        cache_threshold: float = 0.3,
+        balance_abs_threshold: int = 64,
+        balance_rel_threshold: float = 1.5,
+    ) -> None:
+        self.index = index
+        self.cache_threshold = cache_threshold
+        self.balance_abs = balance_abs_threshold
+        self.balance_rel = balance_rel_threshold
+        self._ties = TieBreaker()
+
+    def select(self, request: RouteRequest, loads: Mapping[str, int]) -> Decision:
+        if not loads:
+            raise NoWorkerError("no healthy worker")
+        tokens = request.tokens
+        lo = min(loads.values())
+        hi = max(loads.values())
+        if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
+            worker = self._ties.least_loaded(loads)
+            self.index.insert(worker, tokens)
+            return Decision(worker, "imbalance", 0)
+        n = len(tokens)
+        matched, holders = self.index.longest_match(tokens) if n else (0, [])
+        healthy = [w for w in holders if w in loads]
+        if matched and not healthy:
+            # The deepest holders are down: fall back to the best healthy match.
+            per_worker = {w: m for w, m in self.index.match(tokens).items() if w in loads}
+            if per_worker:
+                matched = max(per_worker.values())
+                healthy = [w for w, m in per_worker.items() if m == matched]
+            else:
+                matched = 0
+        reason: Reason
+        if n and healthy and matched / n > self.cache_threshold:
+            worker = self._ties.least_loaded(loads, healthy)
+            reason = "cache_hit"
+        else:
+            worker = self._ties.least_loaded(loads)
+            reason = "cache_miss"
+            matched = 0 if worker not in healthy else matched
+        if n:
+            self.index.insert(worker, tokens)
+        return Decision(worker, reason, matched)
+
+    def on_worker_added(self, worker: str) -> None:
+        self.index.add_worker(worker)
+
+    def on_worker_removed(self, worker: str) -> None:
+        self.index.remove_worker(worker)
+
+    def clear(self) -> None:
+        self.index.clear()

@@ -1,0 +1,18 @@
+"""least_load: the healthy worker with the fewest in-flight requests; ties rotate."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from kvroute.policies._common import TieBreaker
+from kvroute.policies.base import Decision, Policy, RouteRequest
+
+
+class LeastLoad(Policy):
+    name = "least_load"
+
+    def __init__(self) -> None:
+        self._ties = TieBreaker()
+
+    def select(self, request: RouteRequest, loads: Mapping[str, int]) -> Decision:
+        return Decision(self._ties.least_loaded(loads), "least_load")

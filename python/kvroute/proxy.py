@@ -1,0 +1,258 @@
+"""Forwarding: choose a worker, send the body unchanged, stream the answer back.
+
+What is retried: a failure before any response byte came back from the worker
+(connection refused or reset, connect timeout, first-byte timeout, a body cut short on
+a non-streaming answer). The worker is marked down at once, its load reservation
+released, and the request goes to another healthy worker chosen by the policy among
+the rest; never to a worker that already failed it. At most ``max_retries`` retries.
+
+What is not retried: an answer the worker gave (any status, passed through unchanged
+with its body), and a stream that already sent bytes to the client: if the worker
+dies mid-stream the client receives an SSE ``error`` event and the stream ends.
+
+Every path releases the reservation exactly once: the response object owns it and
+releases it in ``finally`` whether the stream completes, fails, times out or the client
+goes away (which also closes the upstream response).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from kvroute.errors import (
+    BadRequestError,
+    GatewayTimeoutError,
+    PayloadTooLargeError,
+    UnavailableError,
+    error_body,
+)
+from kvroute.policies.base import NoWorkerError, RouteRequest
+from kvroute.workers import Reservation
+
+if TYPE_CHECKING:
+    from kvroute.app import RouterState
+
+log = logging.getLogger("kvroute.proxy")
+
+# Failures that prove the worker never processed the request's answer for us.
+RETRYABLE = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.ReadTimeout,
+    httpx.WriteError,
+    httpx.WriteTimeout,
+    httpx.ReadError,
+    httpx.RemoteProtocolError,
+)
+PASS_HEADERS = ("content-type", "cache-control")
+
+
+class ProxyStream(StreamingResponse):
+    """A streamed upstream answer; ``cleanup`` runs once whatever ends the response."""
+
+    def __init__(
+        self,
+        body: AsyncIterator[bytes],
+        status_code: int,
+        headers: dict[str, str],
+        cleanup: Callable[[], Any],
+    ) -> None:
+        super().__init__(body, status_code=status_code, headers=headers)
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._cleanup()
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLargeError(f"request body over {limit} bytes")
+    chunks = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLargeError(f"request body over {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_object(body: bytes) -> dict[str, Any]:
+    if not body:
+        raise BadRequestError("request body is empty; expected a JSON object")
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise BadRequestError(f"request body is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise BadRequestError("request body must be a JSON object")
+    return obj
+
+
+def session_key(request: Request, body: dict[str, Any]) -> str | None:
+    for h in ("x-session-id", "x-user-id"):
+        v = request.headers.get(h)
+        if v:
+            return v
+    user = body.get("user")
+    return user if isinstance(user, str) and user else None
+
+
+class Forwarder:
+    def __init__(self, state: RouterState) -> None:
+        self.s = state
+
+    def _headers(self, request: Request) -> dict[str, str]:
+        out = {"content-type": "application/json"}
+        for h in ("accept", "x-request-id"):
+            v = request.headers.get(h)
+            if v:
+                out[h] = v
+        settings = self.s.settings
+        if settings.worker_api_key:
+            out["authorization"] = f"Bearer {settings.worker_api_key}"
+        elif not settings.api_key and request.headers.get("authorization"):
+            # Without a router key, the client's credentials are meant for the workers.
+            out["authorization"] = request.headers["authorization"]
+        return out
+
+    async def forward(self, request: Request, kind: str, path: str) -> Response:
+        s = self.s
+        t0 = time.perf_counter()
+        body = await read_body(request, s.settings.max_body_bytes)
+        obj = parse_object(body)
+        stream = obj.get("stream") is True
+        tokens = await s.tokenizer.tokens_for(kind, obj)
+        if len(tokens) == 0:
+            raise BadRequestError("the prompt is empty")
+        route_req = RouteRequest(tokens=tokens, session_key=session_key(request, obj))
+        headers = self._headers(request)
+        tried: set[str] = set()
+        last_error = "no healthy worker"
+        deadline = time.monotonic() + s.settings.request_timeout_secs
+        for attempt in range(s.settings.max_retries + 1):
+            loads = s.registry.loads(exclude=tried)
+            if not loads:
+                break
+            try:
+                decision = s.policy.select(route_req, loads)
+            except NoWorkerError:
+                break
+            except (ValueError, TypeError) as e:
+                raise BadRequestError(str(e)) from None
+            res = s.registry.reserve(decision.worker)
+            s.metrics.decisions.labels(s.policy.name, decision.reason).inc()
+            if s.policy.name == "cache_aware":
+                s.metrics.matched_ratio.observe(decision.matched_tokens / len(tokens))
+            url = decision.worker + path
+            try:
+                upstream = await s.client.send(
+                    s.client.build_request("POST", url, content=body, headers=headers),
+                    stream=True,
+                )
+            except RETRYABLE as e:
+                res.release()
+                last_error = self._worker_failed(decision.worker, e)
+                tried.add(decision.worker)
+                await self._backoff(attempt)
+                continue
+            except httpx.HTTPError as e:
+                # Not the worker's fault (e.g. our connection pool is exhausted): no retry
+                # storm, no worker marked down.
+                res.release()
+                raise UnavailableError(f"could not reach a worker: {type(e).__name__}") from None
+            except BaseException:
+                res.release()
+                raise
+            s.registry.record_status(decision.worker, upstream.status_code)
+            ttfb = time.perf_counter() - t0
+            s.metrics.ttfb.labels(kind).observe(ttfb)
+            out_headers = {h: upstream.headers[h] for h in PASS_HEADERS if h in upstream.headers}
+            out_headers["x-kvroute-worker"] = decision.worker
+            if stream and upstream.status_code == 200:
+                return ProxyStream(
+                    self._relay(upstream, decision.worker, kind, deadline),
+                    upstream.status_code,
+                    out_headers,
+                    self._closer(upstream, res, kind, t0, upstream.status_code),
+                )
+            try:
+                remaining = deadline - time.monotonic()
+                async with asyncio.timeout(max(remaining, 0.001)):
+                    content = await upstream.aread()
+            except TimeoutError:
+                raise GatewayTimeoutError(
+                    f"the worker did not finish within {s.settings.request_timeout_secs:g}s"
+                ) from None
+            except RETRYABLE as e:
+                last_error = self._worker_failed(decision.worker, e)
+                tried.add(decision.worker)
+                await self._backoff(attempt)
+                continue
+            finally:
+                await upstream.aclose()
+                res.release()
+            self._done(kind, upstream.status_code, t0)
+            return Response(content, status_code=upstream.status_code, headers=out_headers)
+        raise UnavailableError(f"no healthy worker could take the request ({last_error})")
+
+    def _worker_failed(self, worker: str, e: BaseException) -> str:
+        kind = type(e).__name__
+        self.s.metrics.worker_failures.labels(worker, kind).inc()
+        self.s.metrics.retries.labels(kind).inc()
+        self.s.registry.mark_down(worker, f"{kind} before the first byte")
+        return f"{worker}: {kind}"
+
+    async def _backoff(self, attempt: int) -> None:
+        delay = self.s.settings.retry_backoff_secs * (2**attempt)
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+    def _done(self, kind: str, status: int, t0: float) -> None:
+        self.s.metrics.requests.labels(kind, str(status)).inc()
+        self.s.metrics.latency.labels(kind).observe(time.perf_counter() - t0)
+
+    def _closer(
+        self, upstream: httpx.Response, res: Reservation, kind: str, t0: float, status: int
+    ) -> Callable[[], Any]:
+        async def close() -> None:
+            try:
+                await upstream.aclose()
+            finally:
+                res.release()
+                self._done(kind, status, t0)
+
+        return close
+
+    async def _relay(
+        self, upstream: httpx.Response, worker: str, kind: str, deadline: float
+    ) -> AsyncIterator[bytes]:
+        try:
+            async with asyncio.timeout_at(
+                asyncio.get_running_loop().time() + (deadline - time.monotonic())
+            ):
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+        except (httpx.HTTPError, TimeoutError) as e:
+            # Bytes already reached the client: no retry. Tell it in-band and end.
+            name = type(e).__name__
+            log.warning("stream from %s broke: %s", worker, name)
+            self.s.metrics.worker_failures.labels(worker, f"stream_{name}").inc()
+            if not isinstance(e, TimeoutError):
+                self.s.registry.mark_down(worker, f"{name} mid-stream")
+            msg = f"upstream worker failed mid-stream ({name})"
+            yield b"data: " + error_body(msg, "upstream_error", "stream_interrupted") + b"\n\n"

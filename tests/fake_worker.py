@@ -1,0 +1,157 @@
+"""A tiny recording worker for router tests: ``python tests/fake_worker.py --port P``.
+
+It records every inference body it receives (GET /records), answers OpenAI/SGLang
+shapes, streams SSE chunk by chunk, and can be told to misbehave through
+``POST /control`` {"mode": "ok" | "error" | "hang" | "garbage" | "truncate" | "die_mid_stream",
+"status": int, "delay_s": float}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from typing import Any
+
+import orjson
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+STATE: dict[str, Any] = {
+    "mode": "ok",
+    "status": 500,
+    "delay_s": 0.0,
+    "records": [],
+    "name": "",
+    "chunks": 5,
+}
+
+
+def sse_chunks(n: int, final: dict[str, Any]) -> list[bytes]:
+    out = [
+        b"data: "
+        + orjson.dumps(
+            {"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": f" t{i}"}]}
+        )
+        + b"\n\n"
+        for i in range(n)
+    ]
+    out.append(b"data: " + orjson.dumps(final) + b"\n\n")
+    out.append(b"data: [DONE]\n\n")
+    return out
+
+
+async def infer(request: Request) -> Response:
+    body = await request.body()
+    STATE["records"].append(
+        {"path": request.url.path, "body": body.decode(), "headers": dict(request.headers)}
+    )
+    mode = STATE["mode"]
+    if STATE["delay_s"]:
+        await asyncio.sleep(STATE["delay_s"])
+    if mode == "hang":
+        await asyncio.sleep(3600)
+    if mode == "error":
+        return JSONResponse(
+            {
+                "error": {
+                    "message": "worker says no",
+                    "type": "server_error",
+                    "code": STATE["status"],
+                }
+            },
+            status_code=STATE["status"],
+        )
+    if mode == "garbage":
+        return Response(b"\x00not json at all", media_type="application/json")
+    if mode == "die":
+        os._exit(1)
+    obj = orjson.loads(body)
+    usage = {
+        "prompt_tokens": 3,
+        "completion_tokens": STATE["chunks"],
+        "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    final = {
+        "id": "x",
+        "object": "text_completion",
+        "choices": [],
+        "usage": usage,
+        "worker": STATE["name"],
+    }
+    if obj.get("stream"):
+        chunks = sse_chunks(STATE["chunks"], final)
+
+        async def gen() -> Any:
+            for i, c in enumerate(chunks):
+                if mode == "die_mid_stream" and i == 2:
+                    os._exit(1)
+                if mode == "truncate" and i == 2:
+                    yield b'data: {"trunc'
+                    return
+                yield c
+                await asyncio.sleep(float(STATE.get("chunk_delay_s", 0.01)))
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+    return JSONResponse(
+        {
+            "id": "x",
+            "object": "text_completion",
+            "choices": [{"index": 0, "text": "hello", "finish_reason": "stop"}],
+            "usage": usage,
+            "worker": STATE["name"],
+        }
+    )
+
+
+async def records(request: Request) -> Response:
+    return JSONResponse(STATE["records"])
+
+
+async def control(request: Request) -> Response:
+    STATE.update(orjson.loads(await request.body()))
+    if STATE.pop("clear", False):
+        STATE["records"] = []
+    return JSONResponse({"ok": True})
+
+
+async def health(request: Request) -> Response:
+    if STATE["mode"] in ("hang_health",):
+        await asyncio.sleep(3600)
+    return JSONResponse({"status": "ok"})
+
+
+async def models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+
+
+async def flush(request: Request) -> Response:
+    STATE["flushed"] = STATE.get("flushed", 0) + 1
+    return JSONResponse({"ok": True})
+
+
+app = Starlette(
+    routes=[
+        Route("/v1/completions", infer, methods=["POST"]),
+        Route("/v1/chat/completions", infer, methods=["POST"]),
+        Route("/generate", infer, methods=["POST"]),
+        Route("/records", records),
+        Route("/control", control, methods=["POST"]),
+        Route("/health", health),
+        Route("/v1/models", models),
+        Route("/flush_cache", flush, methods=["POST"]),
+    ]
+)
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--port", type=int, required=True)
+    args = ap.parse_args()
+    STATE["name"] = f"127.0.0.1:{args.port}"
+    uvicorn.run(
+        app, host="127.0.0.1", port=args.port, log_level="warning", loop="uvloop", http="httptools"
+    )

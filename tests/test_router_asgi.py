@@ -1,0 +1,188 @@
+"""The router app in-process (ASGI transport) against mocked workers: input validation,
+auth, admission and body limits, where no real wire is needed."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from kvroute.app import create_app
+from kvroute.config import ConfigError, Settings
+
+WORKER = "http://w1:8000"
+
+
+def mock_worker(calls: list[httpx.Request]) -> httpx.MockTransport:
+    def handle(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"ok": True})
+        return httpx.Response(200, json={"choices": [{"text": "ok"}]})
+
+    return httpx.MockTransport(handle)
+
+
+async def make_client(
+    calls: list[httpx.Request], **settings: Any
+) -> tuple[httpx.AsyncClient, Callable[[], Any], Any]:
+    app = create_app(Settings(worker_urls=[WORKER], **settings).validate())
+    ctx = app.router.lifespan_context(app)
+    await ctx.__aenter__()
+    state = app.state.router
+    await state.client.aclose()
+    state.client = httpx.AsyncClient(transport=mock_worker(calls))
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
+    return client, lambda: ctx.__aexit__(None, None, None), state
+
+
+@pytest.fixture
+async def router() -> AsyncIterator[tuple[httpx.AsyncClient, list[httpx.Request], Any]]:
+    calls: list[httpx.Request] = []
+    client, close, state = await make_client(calls)
+    yield client, calls, state
+    await client.aclose()
+    await close()
+
+
+BAD = [
+    ("/v1/completions", b"{not json", "valid JSON"),
+    ("/v1/completions", b"[1, 2]", "JSON object"),
+    ("/v1/completions", b"", "empty"),
+    ("/v1/completions", b'{"prompt": ""}', "empty"),
+    ("/v1/completions", b'{"prompt": [1, -5]}', "token IDs"),
+    ("/v1/completions", b'{"prompt": [99999999999]}', "token IDs"),
+    ("/v1/completions", b'{"max_tokens": 3}', "'prompt' is required"),
+    ("/v1/completions", b'{"prompt": {"a": 1}}', "must be a string"),
+    ("/v1/chat/completions", b'{"messages": "hi"}', "non-empty list"),
+    ("/v1/chat/completions", b'{"messages": [{"role": 1}]}', "role"),
+    ("/v1/completions", b'{"prompt": "\xff\xfe"}', "valid JSON"),
+    ("/generate", b'{"sampling_params": {}}', "'text' or 'input_ids'"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "message"), BAD)
+async def test_bad_input_gets_openai_4xx(router: Any, path: str, body: bytes, message: str) -> None:
+    client, calls, state = router
+    r = await client.post(path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert message in err["message"]
+    assert err["type"] == "invalid_request_error" and err["code"]
+    assert not [c for c in calls if c.url.path != "/health"], "nothing reached a worker"
+    assert state.registry.workers[WORKER].in_flight == 0
+
+
+async def test_unknown_route_and_method(router: Any) -> None:
+    client, _, _ = router
+    r = await client.get("/nope")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = await client.get("/v1/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+async def test_body_size_limit() -> None:
+    calls: list[httpx.Request] = []
+    client, close, _ = await make_client(calls, max_body_bytes=2048)
+    try:
+        r = await client.post("/v1/completions", content=b'{"prompt": "' + b"a" * 5000 + b'"}')
+        assert r.status_code == 413
+        assert r.json()["error"]["code"] == "payload_too_large"
+    finally:
+        await client.aclose()
+        await close()
+
+
+async def test_api_keys() -> None:
+    calls: list[httpx.Request] = []
+    client, close, _ = await make_client(
+        calls, api_key="sekret", admin_api_key="admin", worker_api_key="wk"
+    )
+    try:
+        body = {"prompt": "hi"}
+        assert (await client.post("/v1/completions", json=body)).status_code == 401
+        bad = {"authorization": "Bearer nope"}
+        assert (await client.post("/v1/completions", json=body, headers=bad)).status_code == 401
+        ok = {"authorization": "Bearer sekret"}
+        r = await client.post("/v1/completions", json=body, headers=ok)
+        assert r.status_code == 200
+        sent = [c for c in calls if c.url.path == "/v1/completions"][-1]
+        assert sent.headers["authorization"] == "Bearer wk", "replaced towards workers"
+        assert (await client.get("/health")).status_code == 200, "health stays open"
+        r = await client.post("/workers", json={"url": "http://w2:1"}, headers=ok)
+        assert r.status_code == 401, "the client key is not the admin key"
+        r = await client.post(
+            "/workers", json={"url": "http://w2:1"}, headers={"authorization": "Bearer admin"}
+        )
+        assert r.status_code == 201
+    finally:
+        await client.aclose()
+        await close()
+
+
+async def test_admin_disabled_beyond_loopback_without_key() -> None:
+    calls: list[httpx.Request] = []
+    client, close, _ = await make_client(calls, host="0.0.0.0")
+    try:
+        r = await client.post("/flush_cache")
+        assert r.status_code == 403 and r.json()["error"]["code"] == "admin_disabled"
+    finally:
+        await client.aclose()
+        await close()
+
+
+async def test_admission_queue_overflow_is_429() -> None:
+    gate = asyncio.Event()
+
+    async def slow(request: httpx.Request) -> httpx.Response:
+        await gate.wait()
+        return httpx.Response(200, json={"ok": 1})
+
+    app = create_app(
+        Settings(
+            worker_urls=[WORKER],
+            max_concurrent_requests=1,
+            max_queued_requests=1,
+            queue_timeout_secs=5,
+        ).validate()
+    )
+    async with app.router.lifespan_context(app):
+        state = app.state.router
+        await state.client.aclose()
+        state.client = httpx.AsyncClient(transport=httpx.MockTransport(slow))
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://r"
+        ) as c:
+            first = asyncio.create_task(c.post("/v1/completions", json={"prompt": "a"}))
+            second = asyncio.create_task(c.post("/v1/completions", json={"prompt": "b"}))
+            for _ in range(100):
+                if state.admission.waiting == 1:
+                    break
+                await asyncio.sleep(0.01)
+            third = await c.post("/v1/completions", json={"prompt": "c"})
+            assert third.status_code == 429 and third.headers["retry-after"] == "1"
+            gate.set()
+            assert (await first).status_code == 200
+            assert (await second).status_code == 200
+        assert state.admission.active == 0
+        assert state.registry.workers[WORKER].in_flight == 0
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"worker_urls": ["ftp://x"]}, "scheme"),
+        ({"worker_urls": ["http://"]}, "host"),
+        ({"cache_threshold": 1.5}, "cache-threshold"),
+        ({"policy": "fastest"}, "unknown policy"),
+        ({"tokenizer": "/no/such/dir"}, "no such directory"),
+        ({"balance_rel_threshold": 0.5}, "balance-rel"),
+        ({"worker_urls": ["http://a:1", "http://a:1/"]}, "twice"),
+    ],
+)
+def test_settings_are_validated(kw: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        Settings(**kw).validate()
