@@ -186,3 +186,17 @@ async def test_admission_queue_overflow_is_429() -> None:
 def test_settings_are_validated(kw: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         Settings(**kw).validate()
+
+
+@pytest.mark.parametrize(("path", "body", "message"), BAD)
+async def test_bad_input_rejected_without_tokenizing(path: str, body: bytes, message: str) -> None:
+    """round_robin skips tokenization but validates the body the same way."""
+    calls: list[httpx.Request] = []
+    client, close, _ = await make_client(calls, policy="round_robin")
+    try:
+        r = await client.post(path, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400
+        assert message in r.json()["error"]["message"]
+    finally:
+        await client.aclose()
+        await close()

@@ -106,6 +106,8 @@ class RouterState:
     admission: Admission
     client: httpx.AsyncClient = field(init=False)
     started: float = field(default_factory=time.time)
+    events: Any = None  # kvroute.events.EventTracker in precise mode
+    subscriber: Any = None
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -126,7 +128,7 @@ class RouterState:
                 "failures": w.failed,
                 "down_reason": w.down_reason or None,
                 "circuit_open": now < w.circuit_open_until,
-                "mode": "approximate",
+                "mode": self.events.mode(w.url) if self.events is not None else "approximate",
             }
             for w in self.registry.workers.values()
         ]
@@ -142,6 +144,7 @@ def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) ->
         balance_rel_threshold=settings.balance_rel_threshold,
         prefix_hash_tokens=settings.prefix_hash_tokens,
         bounded_load_factor=settings.bounded_load_factor,
+        worker_capacity=settings.worker_capacity,
     )
     registry = Registry(settings, on_down=policy.on_worker_removed, on_added=policy.on_worker_added)
     state = RouterState(
@@ -158,9 +161,42 @@ def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) ->
         ),
     )
     state.metrics = RouterMetrics(state.snapshot)
+    if settings.kv_events:
+        setup_precise(state)
     for url in settings.worker_urls:
         registry.add(url)
     return state
+
+
+def setup_precise(state: RouterState) -> None:
+    """Precise mode: feed a BlockIndex from the engines' KV events (started in lifespan)."""
+    from kvroute._native import BlockIndex
+    from kvroute.events import (
+        EventTracker,
+        KvEventSubscriber,
+        PreciseView,
+        parse_kv_events,
+        register_kv_event_metrics,
+    )
+
+    sources = parse_kv_events(state.settings.kv_events)
+    unknown = [s.worker for s in sources if s.worker not in state.settings.worker_urls]
+    if unknown:
+        raise ConfigError(f"--kv-events names workers not in --worker-urls: {unknown}")
+    tracker = EventTracker(BlockIndex())
+    state.events = tracker
+    state.subscriber = KvEventSubscriber(sources, tracker)
+    register_kv_event_metrics(state.metrics.registry, tracker, state.subscriber)
+    if hasattr(state.policy, "precise"):
+        state.policy.precise = PreciseView(tracker)
+    previous = state.registry._on_down
+
+    def on_down(url: str) -> None:
+        if previous is not None:
+            previous(url)
+        tracker.reset(url)
+
+    state.registry._on_down = on_down
 
 
 async def health_loop(state: RouterState) -> None:
@@ -212,9 +248,13 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
             trust_env=False,
         )
         task = asyncio.create_task(health_loop(state))
+        if state.subscriber is not None:
+            await asyncio.to_thread(state.subscriber.start)
         try:
             yield
         finally:
+            if state.subscriber is not None:
+                await asyncio.to_thread(state.subscriber.stop)
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task

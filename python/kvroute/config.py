@@ -65,6 +65,7 @@ class Settings:
     max_body_bytes: int = 32 * 1024 * 1024
     prefix_hash_tokens: int = 256
     bounded_load_factor: float = 1.25
+    worker_capacity: int | None = None
     api_key: str | None = None
     admin_api_key: str | None = None
     worker_api_key: str | None = None
@@ -115,6 +116,8 @@ class Settings:
             raise ConfigError("--max-body-bytes must be at least 1024")
         if self.prefix_hash_tokens < 1:
             raise ConfigError("--prefix-hash-tokens must be >= 1")
+        if self.worker_capacity is not None and self.worker_capacity < 1:
+            raise ConfigError("--worker-capacity must be >= 1")
         if self.bounded_load_factor < 1.0:
             raise ConfigError("--bounded-load-factor must be >= 1.0")
         if self.log_level.lower() not in ("debug", "info", "warning", "warn", "error", "critical"):

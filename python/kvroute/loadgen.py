@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
+import numpy as np
 import orjson
 
 
@@ -27,7 +28,7 @@ class ReplayRequest(Protocol):
     @property
     def arrival_s(self) -> float: ...
     @property
-    def tokens(self) -> Sequence[int]: ...
+    def tokens(self) -> Any: ...  # Sequence[int] or a uint32 array
     @property
     def output_len(self) -> int: ...
 
@@ -43,11 +44,19 @@ class Outcome:
     error: str = ""
 
 
-def _body(req: ReplayRequest, model: str) -> bytes:
+def tokens_to_text(tokens: Sequence[int]) -> str:
+    """One printable ASCII character per token: routers that work on text (SGLang's and
+    vLLM's route on characters) and workers that count UTF-8 bytes then see exactly the
+    same prefix structure, with the same lengths, as token-level routing would."""
+    arr = np.asarray(tokens, dtype=np.uint32)
+    return ((arr % 94) + 33).astype(np.uint8).tobytes().decode("ascii")
+
+
+def _body(req: ReplayRequest, model: str, as_text: bool) -> bytes:
     return orjson.dumps(
         {
             "model": model,
-            "prompt": list(req.tokens),
+            "prompt": tokens_to_text(req.tokens) if as_text else list(map(int, req.tokens)),
             "max_tokens": int(req.output_len),
             "stream": True,
             "stream_options": {"include_usage": True},
@@ -57,7 +66,9 @@ def _body(req: ReplayRequest, model: str) -> bytes:
     )
 
 
-async def _one(client: httpx.AsyncClient, url: str, req: ReplayRequest, model: str) -> Outcome:
+async def _one(
+    client: httpx.AsyncClient, url: str, req: ReplayRequest, model: str, as_text: bool
+) -> Outcome:
     start = time.perf_counter()
     ttft = float("nan")
     usage: dict[str, Any] = {}
@@ -65,7 +76,7 @@ async def _one(client: httpx.AsyncClient, url: str, req: ReplayRequest, model: s
         async with client.stream(
             "POST",
             url + "/v1/completions",
-            content=_body(req, model),
+            content=_body(req, model, as_text),
             headers={"content-type": "application/json"},
         ) as resp:
             if resp.status_code != 200:
@@ -107,10 +118,13 @@ async def replay(
     max_in_flight: int = 1024,
     timeout_s: float = 600.0,
     on_done: Callable[[], None] | None = None,
+    as_text: bool = True,
 ) -> tuple[list[Outcome], float]:
     """Send ``requests`` to ``url`` at their arrival times divided by ``time_scale``.
 
     Returns the outcomes (in request order) and the wall time of the whole replay.
+    ``as_text``: send the prompt as text (one character per token, see
+    ``tokens_to_text``) rather than as a token-ID list.
     ``max_in_flight`` bounds open connections; arrivals past it wait for a slot.
     """
     limits = httpx.Limits(max_connections=max_in_flight, max_keepalive_connections=max_in_flight)
@@ -125,7 +139,7 @@ async def replay(
             if delay > 0:
                 await asyncio.sleep(delay)
             async with sem:
-                out = await _one(client, url, req, model)
+                out = await _one(client, url, req, model, as_text)
             if on_done is not None:
                 on_done()
             return out

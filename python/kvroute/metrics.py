@@ -104,8 +104,21 @@ class RouterMetrics:
         )
         self.decisions = Counter(
             "kvroute_routing_decisions",
-            "Routing decisions by policy and reason",
-            ["policy", "reason"],
+            "Routing decisions by policy, reason and match source (precise/approximate)",
+            ["policy", "reason", "source"],
+            registry=r,
+        )
+        self.predicted_cached = Counter(
+            "kvroute_predicted_cached_tokens",
+            "Prompt tokens the router expected the chosen worker to hold "
+            "(counted for answers that report cached_tokens)",
+            ["source"],
+            registry=r,
+        )
+        self.reported_cached = Counter(
+            "kvroute_reported_cached_tokens",
+            "Prompt tokens the workers reported as cached (usage.prompt_tokens_details)",
+            ["source"],
             registry=r,
         )
         self.matched_ratio = Histogram(

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -55,6 +56,7 @@ RETRYABLE = (
     httpx.RemoteProtocolError,
 )
 PASS_HEADERS = ("content-type", "cache-control")
+CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
 
 class ProxyStream(StreamingResponse):
@@ -136,9 +138,13 @@ class Forwarder:
         body = await read_body(request, s.settings.max_body_bytes)
         obj = parse_object(body)
         stream = obj.get("stream") is True
-        tokens = await s.tokenizer.tokens_for(kind, obj)
-        if len(tokens) == 0:
-            raise BadRequestError("the prompt is empty")
+        if s.policy.needs_tokens:
+            tokens: Sequence[int] = await s.tokenizer.tokens_for(kind, obj)
+            if len(tokens) == 0:
+                raise BadRequestError("the prompt is empty")
+        else:
+            s.tokenizer.check(kind, obj)
+            tokens = ()
         route_req = RouteRequest(tokens=tokens, session_key=session_key(request, obj))
         headers = self._headers(request)
         tried: set[str] = set()
@@ -155,7 +161,8 @@ class Forwarder:
             except (ValueError, TypeError) as e:
                 raise BadRequestError(str(e)) from None
             res = s.registry.reserve(decision.worker)
-            s.metrics.decisions.labels(s.policy.name, decision.reason).inc()
+            source = "precise" if decision.precise else "approximate"
+            s.metrics.decisions.labels(s.policy.name, decision.reason, source).inc()
             if s.policy.name == "cache_aware":
                 s.metrics.matched_ratio.observe(decision.matched_tokens / len(tokens))
             url = decision.worker + path
@@ -185,7 +192,9 @@ class Forwarder:
             out_headers["x-kvroute-worker"] = decision.worker
             if stream and upstream.status_code == 200:
                 return ProxyStream(
-                    self._relay(upstream, decision.worker, kind, deadline),
+                    self._relay(
+                        upstream, decision.worker, kind, deadline, decision.matched_tokens, source
+                    ),
                     upstream.status_code,
                     out_headers,
                     self._closer(upstream, res, kind, t0, upstream.status_code),
@@ -207,8 +216,17 @@ class Forwarder:
                 await upstream.aclose()
                 res.release()
             self._done(kind, upstream.status_code, t0)
+            if upstream.status_code == 200:
+                self._reuse(content, decision.matched_tokens, source)
             return Response(content, status_code=upstream.status_code, headers=out_headers)
         raise UnavailableError(f"no healthy worker could take the request ({last_error})")
+
+    def _reuse(self, data: bytes, predicted: int, source: str) -> None:
+        """Count predicted against reported prefix reuse when the answer reports it."""
+        m = CACHED_RE.search(data)
+        if m is not None:
+            self.s.metrics.predicted_cached.labels(source).inc(predicted)
+            self.s.metrics.reported_cached.labels(source).inc(int(m.group(1)))
 
     def _worker_failed(self, worker: str, e: BaseException) -> str:
         kind = type(e).__name__
@@ -239,13 +257,21 @@ class Forwarder:
         return close
 
     async def _relay(
-        self, upstream: httpx.Response, worker: str, kind: str, deadline: float
+        self,
+        upstream: httpx.Response,
+        worker: str,
+        kind: str,
+        deadline: float,
+        predicted: int,
+        source: str,
     ) -> AsyncIterator[bytes]:
         try:
             async with asyncio.timeout_at(
                 asyncio.get_running_loop().time() + (deadline - time.monotonic())
             ):
                 async for chunk in upstream.aiter_raw():
+                    if b'"cached_tokens"' in chunk:
+                        self._reuse(chunk, predicted, source)
                     yield chunk
         except (httpx.HTTPError, TimeoutError) as e:
             # Bytes already reached the client: no retry. Tell it in-band and end.

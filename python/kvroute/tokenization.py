@@ -114,6 +114,7 @@ class PromptTokenizer:
         self.cache_hits = 0
         self.cache_misses = 0
         self._tok: Any = None
+        self._fast: Any = None
         self._special: re.Pattern[str] | None = None
         self._special_ids: dict[str, int] = {}
         self._prefix_specials: list[int] = []
@@ -122,6 +123,7 @@ class PromptTokenizer:
             from transformers import AutoTokenizer
 
             self._tok = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+            self._fast = getattr(self._tok, "_tokenizer", None)
             specials = {t: i for t, i in self._tok.get_added_vocab().items() if t}
             self._special_ids = specials
             # What the tokenizer puts before a text when adding special tokens (BOS).
@@ -150,7 +152,12 @@ class PromptTokenizer:
                 self.cache_hits += 1
                 return cached
             self.cache_misses += 1
-        ids = tuple(self._tok.encode(piece, add_special_tokens=False))
+        if self._fast is not None:
+            # The Rust tokenizer directly: transformers' encode wraps it in a one-item
+            # batch plus padding logic, ~30% slower for the same IDs.
+            ids = tuple(self._fast.encode(piece, add_special_tokens=False).ids)
+        else:
+            ids = tuple(self._tok.encode(piece, add_special_tokens=False))
         with self._lock:
             self._cache[piece] = ids
             if len(self._cache) > self.cache_size:
@@ -214,6 +221,38 @@ class PromptTokenizer:
                 f"messages could not be rendered with the chat template: {e}"
             ) from None
         return str(text)
+
+    def check(self, route: str, body: dict[str, Any]) -> None:
+        """Validate what a router needs of ``body`` without tokenizing (for policies
+        that do not look at the prompt). Raises BadRequestError."""
+        if route == "chat":
+            _check_messages(body.get("messages"))
+            return
+        if route == "completions":
+            if "prompt" not in body:
+                raise BadRequestError("'prompt' is required")
+            value, field = body["prompt"], "prompt"
+        elif body.get("input_ids") is not None:
+            value, field = body["input_ids"], "input_ids"
+            if isinstance(value, list) and value and isinstance(value[0], list):
+                value = value[0]
+            _token_list(value, field)
+            return
+        elif "text" in body:
+            value, field = body["text"], "text"
+        else:
+            raise BadRequestError("one of 'text' or 'input_ids' is required")
+        if isinstance(value, list) and value and isinstance(value[0], str | list):
+            value = value[0]
+        if isinstance(value, str):
+            if not value:
+                raise BadRequestError(f"'{field}' must not be empty")
+        elif isinstance(value, list):
+            _token_list(value, field)
+        else:
+            raise BadRequestError(
+                f"'{field}' must be a string, a list of token IDs, or a list of those"
+            )
 
     async def tokens_for(self, route: str, body: dict[str, Any]) -> Sequence[int]:
         """Token IDs to route ``body`` (already parsed JSON object) sent to ``route``."""

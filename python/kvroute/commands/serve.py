@@ -76,6 +76,15 @@ def configure(p: argparse.ArgumentParser) -> None:
         default=1.25,
         help="prefix_hash / consistent_hash: skip a home worker above this times the mean load",
     )
+    g.add_argument(
+        "--kv-events",
+        action="append",
+        default=[],
+        metavar="URL=ENDPOINT",
+        help="precise mode: route on the engine's own KV cache events. "
+        "'WORKER_URL=tcp://host:port[;topic=T][;replay=tcp://...][;bind]', "
+        "one per worker (see README, Precise mode)",
+    )
     n = p.add_argument_group("network")
     n.add_argument("--host", default="127.0.0.1", help="address to listen on")
     n.add_argument("--port", type=int, default=30000, help="port to listen on")
@@ -202,6 +211,13 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 def run(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
+        if settings.kv_events:
+            from kvroute.events import KvEventsSpecError, parse_kv_events
+
+            try:
+                parse_kv_events(settings.kv_events)
+            except KvEventsSpecError as e:
+                raise ConfigError(str(e)) from None
     except ConfigError as e:
         print(f"kvroute serve: error: {e}", file=sys.stderr)
         return 2

@@ -29,7 +29,8 @@ def create_policy(name: str, index: PrefixIndex, **settings: Any) -> Policy:
 
     Settings: ``cache_threshold`` (0.3), ``balance_abs_threshold`` (64),
     ``balance_rel_threshold`` (1.5), ``prefix_hash_tokens`` (256),
-    ``bounded_load_factor`` (1.25), ``seed`` (None: random).
+    ``bounded_load_factor`` (1.25), ``worker_capacity`` (None: no saturation guard),
+    ``seed`` (None: random).
     """
     if name == "cache_aware":
         from kvroute.policies.cache_aware import CacheAware
@@ -39,6 +40,7 @@ def create_policy(name: str, index: PrefixIndex, **settings: Any) -> Policy:
             cache_threshold=settings.get("cache_threshold", 0.3),
             balance_abs_threshold=settings.get("balance_abs_threshold", 64),
             balance_rel_threshold=settings.get("balance_rel_threshold", 1.5),
+            worker_capacity=settings.get("worker_capacity"),
         )
     if name == "round_robin":
         from kvroute.policies.round_robin import RoundRobin

@@ -62,12 +62,17 @@ class Decision:
     matched_tokens: int = 0
     # Workers the policy considered as runners-up, best first (used for retries).
     alternatives: list[str] = field(default_factory=list)
+    # True when the match came from engine KV events (precise mode), not predictions.
+    precise: bool = False
 
 
 class Policy(ABC):
     """Base class of all routing policies. Subclasses set ``name``."""
 
     name: str = ""
+    # False for policies that never look at the prompt: the router then skips
+    # tokenization (it still validates the body).
+    needs_tokens: bool = True
 
     @abstractmethod
     def select(self, request: RouteRequest, loads: Mapping[str, int]) -> Decision:

@@ -12,6 +12,18 @@ SGLang's rule with its defaults, on token IDs:
 4. The request's tokens are inserted into the index for the chosen worker: the router
    predicts that the worker now caches them.
 
+Saturation guard (kvroute's addition, on when ``worker_capacity`` is set, e.g. to the
+engines' max running batch): a cache holder that already has ``worker_capacity``
+requests in flight would queue this one behind a full batch, which costs more TTFT than
+the prefill it saves. The request then goes to the least-loaded worker below capacity
+(reason ``overflow``), and that worker starts to hold the prefix too, so a hot prefix
+grows a second home instead of a hot spot. With every worker at capacity the rule above
+applies unchanged.
+
+Precise mode (``--kv-events``): workers whose KV event stream is trusted are matched
+on what they really cache (``BlockIndex``, whole blocks), the others on the predicted
+index; the thresholds keep their meaning.
+
 Corrections to SGLang's version: min/max over healthy workers only; ties between
 equally good workers go to the least loaded and then rotate (no "first worker wins",
 which piles every new prefix onto one worker at low load); if the workers holding the
@@ -20,11 +32,18 @@ longest match are all unhealthy, the best healthy match is used instead.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 from kvroute._native import PrefixIndex
 from kvroute.policies._common import TieBreaker
 from kvroute.policies.base import Decision, NoWorkerError, Policy, Reason, RouteRequest
+
+
+class PreciseSource(Protocol):
+    """What precise mode offers (``kvroute.events.PreciseView``)."""
+
+    def match(self, tokens: Sequence[int]) -> tuple[dict[str, int], set[str]]: ...
 
 
 class CacheAware(Policy):
@@ -37,12 +56,30 @@ class CacheAware(Policy):
         cache_threshold: float = 0.3,
         balance_abs_threshold: int = 64,
         balance_rel_threshold: float = 1.5,
+        worker_capacity: int | None = None,
     ) -> None:
         self.index = index
         self.cache_threshold = cache_threshold
         self.balance_abs = balance_abs_threshold
         self.balance_rel = balance_rel_threshold
+        self.worker_capacity = worker_capacity
         self._ties = TieBreaker()
+        self.precise: PreciseSource | None = None
+
+    def _precise_match(
+        self, tokens: Sequence[int], loads: Mapping[str, int]
+    ) -> tuple[int, list[str]] | None:
+        """Best match over healthy workers mixing event-fed and predicted state, or None
+        when no worker is in precise mode."""
+        if self.precise is None:
+            return None
+        exact, trusted = self.precise.match(tokens)
+        if not trusted:
+            return None
+        approx = self.index.match(tokens)
+        per = {w: (exact.get(w, 0) if w in trusted else approx.get(w, 0)) for w in loads}
+        best = max(per.values(), default=0)
+        return best, [w for w, m in per.items() if m == best and m > 0]
 
     def select(self, request: RouteRequest, loads: Mapping[str, int]) -> Decision:
         if not loads:
@@ -55,8 +92,12 @@ class CacheAware(Policy):
             self.index.insert(worker, tokens)
             return Decision(worker, "imbalance", 0)
         n = len(tokens)
-        matched, holders = self.index.longest_match(tokens) if n else (0, [])
-        healthy = [w for w in holders if w in loads]
+        precise = self._precise_match(tokens, loads) if n else None
+        if precise is not None:
+            matched, healthy = precise
+        else:
+            matched, holders = self.index.longest_match(tokens) if n else (0, [])
+            healthy = [w for w in holders if w in loads]
         if matched and not healthy:
             # The deepest holders are down: fall back to the best healthy match.
             per_worker = {w: m for w, m in self.index.match(tokens).items() if w in loads}
@@ -66,16 +107,23 @@ class CacheAware(Policy):
             else:
                 matched = 0
         reason: Reason
+        cap = self.worker_capacity
         if n and healthy and matched / n > self.cache_threshold:
             worker = self._ties.least_loaded(loads, healthy)
             reason = "cache_hit"
+            if cap is not None and loads[worker] >= cap:
+                free = [w for w, load in loads.items() if load < cap]
+                if free:
+                    worker = self._ties.least_loaded(loads, free)
+                    reason = "overflow"
+                    matched = 0
         else:
             worker = self._ties.least_loaded(loads)
             reason = "cache_miss"
             matched = 0 if worker not in healthy else matched
         if n:
             self.index.insert(worker, tokens)
-        return Decision(worker, reason, matched)
+        return Decision(worker, reason, matched, precise=precise is not None)
 
     def on_worker_added(self, worker: str) -> None:
         self.index.add_worker(worker)

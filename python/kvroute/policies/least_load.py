@@ -10,6 +10,7 @@ from kvroute.policies.base import Decision, Policy, RouteRequest
 
 class LeastLoad(Policy):
     name = "least_load"
+    needs_tokens = False
 
     def __init__(self) -> None:
         self._ties = TieBreaker()

@@ -14,6 +14,7 @@ from kvroute.policies.base import Decision, NoWorkerError, Policy, RouteRequest
 
 class PowerOfTwo(Policy):
     name = "power_of_two"
+    needs_tokens = False
 
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)

@@ -10,6 +10,7 @@ from kvroute.policies.base import Decision, NoWorkerError, Policy, RouteRequest
 
 class RandomPolicy(Policy):
     name = "random"
+    needs_tokens = False
 
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)

@@ -13,6 +13,7 @@ from kvroute.policies.base import Decision, NoWorkerError, Policy, RouteRequest
 
 class RoundRobin(Policy):
     name = "round_robin"
+    needs_tokens = False
 
     def __init__(self) -> None:
         self._next = 0

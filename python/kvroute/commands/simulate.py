@@ -1,0 +1,156 @@
+"""``kvroute simulate``: compare routing policies on a simulated fleet, in virtual time.
+
+Runs the real policies and prefix index against simulated workers (``kvroute.sim.fleet``)
+and prints the same table as the HTTP benchmark, with the upper bound of one infinite
+cache shared by the fleet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from kvroute.sim import cost as c
+
+
+def add_fleet_args(p: argparse.ArgumentParser) -> None:
+    """Fleet and cost-model flags (shared with ``kvroute analyze``)."""
+    p.add_argument("--workers", type=int, default=8, help="simulated workers (default: 8)")
+    p.add_argument("--capacity-tokens", type=int, default=c.DEFAULT_CAPACITY_TOKENS)
+    p.add_argument("--block-size", type=int, default=c.DEFAULT_BLOCK_SIZE)
+    p.add_argument("--prefill-tokens-per-s", type=float, default=c.DEFAULT_PREFILL_TOKENS_PER_S)
+    p.add_argument("--decode-ms-per-token", type=float, default=c.DEFAULT_DECODE_S_PER_TOKEN * 1000)
+    p.add_argument("--max-batch", type=int, default=c.DEFAULT_MAX_BATCH)
+    p.add_argument(
+        "--max-tree-size",
+        type=int,
+        default=None,
+        help="the router's index budget per worker in tokens (default: unbounded, as serve)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--worker-capacity",
+        type=int,
+        default=None,
+        help="cache_aware saturation guard: in-flight requests at which a cache holder is "
+        "passed over (set it to --max-batch); default: off, SGLang's rule alone",
+    )
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    from kvroute.sim.workloads import WORKLOADS
+
+    p.add_argument("--workload", choices=WORKLOADS, default="gsp")
+    p.add_argument("--trace", default=None, help="Mooncake-format JSONL (--workload mooncake)")
+    p.add_argument(
+        "--policies",
+        default="cache_aware,round_robin",
+        help="comma-separated policy names (default: cache_aware,round_robin)",
+    )
+    add_fleet_args(p)
+    g = p.add_argument_group("workload shape")
+    g.add_argument("--groups", type=int, default=None, help="gsp/llmd: prefix groups")
+    g.add_argument("--prompts-per-group", type=int, default=None)
+    g.add_argument("--system-len", type=int, default=None)
+    g.add_argument("--question-len", type=int, default=None)
+    g.add_argument("--output-len", type=int, default=None)
+    g.add_argument("--popularity", choices=("uniform", "zipf"), default="uniform")
+    g.add_argument("--conversations", type=int, default=None, help="multiturn")
+    g.add_argument("--turns", type=int, default=None, help="multiturn")
+    g.add_argument(
+        "--arrivals",
+        choices=("burst", "poisson", "trace"),
+        default=None,
+        help="arrival process (default: trace for mooncake, burst otherwise)",
+    )
+    g.add_argument("--rate", type=float, default=0.0, help="poisson rate (requests/s)")
+    g.add_argument("--time-scale", type=float, default=1.0, help="mooncake: speed-up")
+    g.add_argument("--limit", type=int, default=None, help="mooncake: first N requests")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def build_workload(args: argparse.Namespace) -> list[Any]:
+    from kvroute.sim import workloads as wl
+
+    kw: dict[str, Any] = {"seed": args.seed}
+    if args.arrivals is not None:
+        kw["arrivals"] = args.arrivals
+        kw["rate"] = args.rate
+    if args.workload in ("gsp", "llmd"):
+        for name in ("groups", "prompts_per_group", "system_len", "question_len", "output_len"):
+            if getattr(args, name) is not None:
+                kw[name] = getattr(args, name)
+        kw["popularity"] = args.popularity
+    elif args.workload == "multiturn":
+        for name in ("conversations", "turns", "system_len", "output_len"):
+            if getattr(args, name) is not None:
+                kw[name] = getattr(args, name)
+        if args.question_len is not None:
+            kw["user_len"] = args.question_len
+    elif args.workload == "mooncake":
+        if not args.trace:
+            raise ValueError("--workload mooncake needs --trace FILE")
+        kw.update(path=args.trace, time_scale=args.time_scale, limit=args.limit)
+    return wl.build(args.workload, **kw)
+
+
+def fleet_config(args: argparse.Namespace) -> Any:
+    from kvroute.sim.fleet import FleetConfig
+
+    return FleetConfig(
+        workers=args.workers,
+        capacity_tokens=args.capacity_tokens,
+        block_size=args.block_size,
+        cost=c.CostModel(
+            prefill_tokens_per_s=args.prefill_tokens_per_s,
+            decode_s_per_token=args.decode_ms_per_token / 1000,
+            max_batch=args.max_batch,
+        ),
+        max_tree_size=args.max_tree_size,
+        policy_settings={"seed": args.seed, "worker_capacity": args.worker_capacity},
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvroute.sim.fleet import compare
+    from kvroute.sim.report import markdown_table, to_json
+
+    try:
+        if args.workers < 1:
+            raise ValueError("--workers must be >= 1")
+        policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+        if not policies:
+            raise ValueError("--policies is empty")
+        from kvroute.policies import POLICY_NAMES
+
+        unknown = [p for p in policies if p not in POLICY_NAMES]
+        if unknown:
+            raise ValueError(f"unknown policy {unknown[0]!r}; one of {', '.join(POLICY_NAMES)}")
+        cfg = fleet_config(args)
+        t0 = time.perf_counter()
+        requests = build_workload(args)
+    except (ValueError, OSError) as e:
+        print(f"kvroute simulate: error: {e}", file=sys.stderr)
+        return 2
+    gen_s = time.perf_counter() - t0
+
+    def progress(name: str, wall: float) -> None:
+        print(f"  {name}: simulated in {wall:.1f} s", file=sys.stderr)
+
+    print(
+        f"{args.workload}: {len(requests)} requests, {args.workers} workers "
+        f"(workload built in {gen_s:.1f} s)",
+        file=sys.stderr,
+    )
+    rows, bound = compare(requests, policies, cfg, progress=progress)
+    if args.json:
+        print(
+            to_json(
+                rows, bound, workload=args.workload, workers=args.workers, requests=len(requests)
+            )
+        )
+    else:
+        print(markdown_table(rows, bound))
+    return 0

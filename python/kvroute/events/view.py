@@ -1,0 +1,47 @@
+"""What the routing policy asks in precise mode: matches it can trust, per worker.
+
+Precise matches count whole blocks the engine reported (``BlockIndex``); they are
+returned only for workers whose stream is ``precise``. Every other worker (no events
+configured, none received yet, or stale after a loss) is matched on the approximate
+``PrefixIndex``, which the policy keeps inserting into for every worker either way,
+so it is warm whenever a worker falls back to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from kvroute._native import PrefixIndex
+from kvroute.events.tracker import EventTracker, Mode
+
+
+class PreciseView:
+    """What the routing policy asks in precise mode.
+
+    ``match(tokens)`` returns the matched tokens (whole blocks) per worker that is in
+    ``precise`` mode, and the set of those workers; every other worker should be
+    matched on the approximate index. ``merged_match`` does that merge in one call.
+    """
+
+    def __init__(self, tracker: EventTracker) -> None:
+        self.tracker = tracker
+
+    def match(self, tokens: Iterable[int]) -> tuple[dict[str, int], set[str]]:
+        precise = self.tracker.precise_workers()
+        if not precise:
+            return {}, precise
+        got = self.tracker.index.match(tokens)
+        return {w: n for w, n in got.items() if w in precise}, precise
+
+    def merged_match(
+        self, tokens: Sequence[int], approximate: PrefixIndex
+    ) -> tuple[dict[str, int], set[str]]:
+        """Per-worker matches: precise where trusted, approximate elsewhere."""
+        exact, precise = self.match(tokens)
+        for w, n in approximate.match(tokens).items():
+            if w not in precise:
+                exact[w] = n
+        return exact, precise
+
+    def mode(self, worker: str) -> Mode:
+        return self.tracker.mode(worker)

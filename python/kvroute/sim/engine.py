@@ -1,0 +1,313 @@
+"""The request engine of ``kvroute sim-worker``: slots, prefill, decode, cache, events.
+
+One ``SimEngine`` per process, driven by the HTTP app (``sim.worker``). It follows the
+cost model (``sim.cost``) and the cache lifecycle (``sim.cache``) exactly as the fleet
+simulator (``sim.fleet``) does, with real (scaled) sleeps instead of a virtual clock:
+
+1. wait FIFO for one of ``max_batch`` slots (``vllm:num_requests_waiting`` meanwhile);
+2. admitted: ``PrefixCache.admit`` counts the cached prefix and stores + pins the prompt's
+   blocks (KV events for stored and evicted blocks go out now, as one batch);
+3. wait for the prefill engine (one prefill at a time, FIFO), sleep
+   ``prefill_s(uncached)``; the first token is out;
+4. the other tokens follow every ``decode_interval_s(batch)``, ``batch`` = requests
+   running when it was admitted;
+5. finished (or cancelled: client gone): the blocks are unpinned, the slot freed.
+
+Time: every sleep is model time divided by ``time_scale`` (S=10 runs 10x faster than real
+time). Everything the worker *reports* (``/sim/stats``, ``meta_info.e2e_latency`` and
+``ttft``) is model time: measured wall time multiplied by S. A client measures model
+time / S plus HTTP and router overhead, so it multiplies its wall times by S to compare,
+and every millisecond of real overhead then counts as S model milliseconds: keep S small
+(<= 5) when client-side latencies are the result, or use the worker's own numbers.
+Output tokens are deterministic filler (``FILLER``); ``output_len`` is exactly what the
+request asked for (as with ``ignore_eos``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter, deque
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvroute.sim.cache import PrefixCache
+from kvroute.sim.cost import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_TOKENS, CostModel
+from kvroute.sim.events import KVEventPublisher
+
+FILLER = (" the", " quick", " brown", " fox", " jumps", " over", " a", " lazy", " dog", " again")
+FILLER_IDS = (279, 3974, 13876, 38835, 34208, 916, 264, 15678, 5679, 1549)
+MIN_WAKE_S = 0.005  # stream tokens in groups rather than wake more often than this
+
+
+def filler_text(start: int, stop: int) -> str:
+    return "".join(FILLER[i % len(FILLER)] for i in range(start, stop))
+
+
+def filler_ids(n: int) -> list[int]:
+    return [FILLER_IDS[i % len(FILLER_IDS)] for i in range(n)]
+
+
+@dataclass
+class SimConfig:
+    model: str = "sim"
+    capacity_tokens: int = DEFAULT_CAPACITY_TOKENS
+    block_size: int = DEFAULT_BLOCK_SIZE
+    cost: CostModel = field(default_factory=CostModel)
+    time_scale: float = 1.0
+    max_model_len: int = 131_072
+    tokenizer: str | None = None
+    text_codec: str = "bytes"  # or "codepoints": one token per character (sim.textcodec)
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str = ""
+    kv_events_replay_endpoint: str | None = None
+    request_log_size: int = 10_000
+
+    def validate(self) -> SimConfig:
+        if self.time_scale <= 0:
+            raise ValueError("--time-scale must be > 0")
+        if self.block_size < 1 or self.capacity_tokens < 0:
+            raise ValueError("--block-size must be >= 1 and --capacity-tokens >= 0")
+        if self.text_codec not in ("bytes", "codepoints"):
+            raise ValueError("--text-codec must be bytes or codepoints")
+        if self.text_codec == "codepoints" and self.tokenizer is not None:
+            raise ValueError("--text-codec codepoints and --tokenizer exclude each other")
+        return self
+
+
+@dataclass(slots=True)
+class Run:
+    """One request's accounting (model seconds)."""
+
+    rid: str
+    prompt_tokens: int
+    output_len: int
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    queue_s: float = 0.0
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    batch: int = 0
+    finished: bool = False
+
+
+class SimEngine:
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config.validate()
+        self.cost = config.cost
+        self.scale = config.time_scale
+        self._pending: list[dict[str, Any]] = []
+        self.publisher: KVEventPublisher | None = None
+        if config.kv_events_endpoint:
+            self.publisher = KVEventPublisher(
+                config.kv_events_endpoint,
+                config.kv_events_topic,
+                config.kv_events_replay_endpoint,
+            )
+        self.cache = PrefixCache(
+            config.capacity_tokens,
+            config.block_size,
+            on_store=self._on_store if self.publisher else None,
+            on_remove=self._on_remove if self.publisher else None,
+            on_clear=self._on_clear if self.publisher else None,
+        )
+        self._slots = asyncio.Semaphore(self.cost.max_batch)
+        self._prefill = asyncio.Lock()
+        self.running = 0
+        self.waiting = 0
+        self.served = 0
+        self.cancelled = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.log: deque[Run] = deque(maxlen=config.request_log_size)
+        self.calls: Counter[str] = Counter()  # non-generation endpoints (render, tokenize)
+
+    # ------------------------------------------------------------------ events
+
+    def _on_store(self, hashes: list[int], parent: int | None, ids: list[int], bs: int) -> None:
+        self._pending.append(KVEventPublisher.block_stored(hashes, parent, ids, bs))
+
+    def _on_remove(self, hashes: list[int]) -> None:
+        self._pending.append(KVEventPublisher.block_removed(hashes))
+
+    def _on_clear(self) -> None:
+        self._pending.append(KVEventPublisher.all_cleared())
+
+    def _flush_events(self) -> None:
+        if self._pending and self.publisher is not None:
+            self.publisher.publish(self._pending)
+        self._pending = []
+
+    def flush_cache(self) -> int:
+        n = self.cache.num_blocks
+        self.cache.clear()
+        self._flush_events()
+        return n
+
+    def restart(self) -> None:
+        """Fault injection: what a subscriber sees of an engine restart. The cache is
+        emptied without an ``AllBlocksCleared`` event and event numbering restarts at 0."""
+        self.cache.clear()
+        self._pending = []
+        if self.publisher is not None:
+            self.publisher.reset_seq()
+
+    def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
+
+    # ------------------------------------------------------------------ requests
+
+    async def generate(
+        self, run: Run, tokens: Sequence[int], stream: bool = True
+    ) -> AsyncGenerator[int, None]:
+        """Serve one request; yields the number of output tokens out so far (1 first,
+        ``run.output_len`` last). Close it (``contextlib.aclosing``) if abandoned.
+
+        ``stream=False`` sleeps once from the first to the last token (same timing,
+        fewer wake-ups); streaming groups tokens so it wakes at most every
+        ``MIN_WAKE_S`` of wall time, without delaying the last token."""
+        scale = self.scale
+        t0 = time.perf_counter()
+        self.waiting += 1
+        admitted = False
+        handle = None
+        try:
+            await self._slots.acquire()
+            self.waiting -= 1
+            admitted = True
+            self.running += 1
+            run.batch = self.running
+            t_admit = time.perf_counter()
+            run.queue_s = (t_admit - t0) * scale
+            run.cached_tokens, handle = self.cache.admit(tokens)
+            self._flush_events()
+            self.prompt_tokens += run.prompt_tokens
+            async with self._prefill:
+                await asyncio.sleep(
+                    self.cost.prefill_s(run.prompt_tokens - run.cached_tokens) / scale
+                )
+            t_first = time.perf_counter()
+            run.ttft_s = (t_first - t0) * scale
+            run.output_tokens = 1
+            yield 1
+            interval = self.cost.decode_interval_s(run.batch) / scale
+            total = run.output_len
+            last_due = t_first + (total - 1) * interval
+            while run.output_tokens < total:
+                now = time.perf_counter()
+                if stream:
+                    wait = max(t_first + run.output_tokens * interval - now, MIN_WAKE_S)
+                    wait = min(wait, last_due - now)
+                else:
+                    wait = last_due - now
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                elapsed = time.perf_counter() - t_first
+                out = total if interval <= 0 else min(total, 1 + int(elapsed / interval + 1e-9))
+                run.output_tokens = max(out, run.output_tokens + 1)
+                yield run.output_tokens
+            run.e2e_s = (time.perf_counter() - t0) * scale
+            run.finished = True
+        finally:
+            if handle is not None:
+                self.cache.release(handle)
+            if admitted:
+                self.running -= 1
+                self._slots.release()
+            else:
+                self.waiting -= 1
+            self.generation_tokens += run.output_tokens
+            if run.finished:
+                self.served += 1
+            else:
+                self.cancelled += 1
+            self.log.append(run)
+
+    # ------------------------------------------------------------------ reporting
+
+    def stats(self, with_log: bool = False) -> dict[str, Any]:
+        c = self.cache
+        out: dict[str, Any] = {
+            "model": self.config.model,
+            "time_scale": self.scale,
+            "block_size": c.block_size,
+            "capacity_tokens": c.capacity_tokens,
+            "cached_tokens": c.cached_tokens,
+            "cached_blocks": c.num_blocks,
+            "pinned_blocks": c.pinned_blocks,
+            "evicted_blocks": c.evicted_blocks,
+            "kv_cache_usage": c.usage(),
+            "prefix_cache_queries": c.queries,
+            "prefix_cache_hits": c.hits,
+            "hit_rate": c.hits / c.queries if c.queries else 0.0,
+            "requests_served": self.served,
+            "requests_cancelled": self.cancelled,
+            "running": self.running,
+            "waiting": self.waiting,
+            "prompt_tokens": self.prompt_tokens,
+            "generation_tokens": self.generation_tokens,
+            "calls": dict(self.calls),
+        }
+        if self.publisher is not None:
+            p = self.publisher
+            out["kv_events"] = {"seq": p.seq, "sent": p.sent, "dropped": p.dropped}
+        if with_log:
+            out["requests"] = [asdict(r) for r in self.log]
+        return out
+
+    def reset_stats(self) -> None:
+        self.cache.reset_counters()
+        self.served = self.cancelled = self.prompt_tokens = self.generation_tokens = 0
+        self.log.clear()
+        self.calls.clear()
+
+    def metrics_text(self) -> str:
+        c = self.cache
+        labels = f'{{engine="0",model_name="{self.config.model}"}}'
+        rows = [
+            (
+                "vllm:num_requests_running",
+                "gauge",
+                "Requests in model execution batches.",
+                self.running,
+            ),
+            (
+                "vllm:num_requests_waiting",
+                "gauge",
+                "Requests waiting to be processed.",
+                self.waiting,
+            ),
+            (
+                "vllm:kv_cache_usage_perc",
+                "gauge",
+                "KV-cache usage. 1 means 100 percent usage.",
+                c.usage(),
+            ),
+            (
+                "vllm:gpu_cache_usage_perc",
+                "gauge",
+                "Deprecated name of kv_cache_usage_perc.",
+                c.usage(),
+            ),
+            ("vllm:prefix_cache_queries", "counter", "Prefix cache queries, in tokens.", c.queries),
+            ("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in tokens.", c.hits),
+            ("vllm:prompt_tokens", "counter", "Prefill tokens processed.", self.prompt_tokens),
+            (
+                "vllm:generation_tokens",
+                "counter",
+                "Generation tokens processed.",
+                self.generation_tokens,
+            ),
+            ("vllm:request_success", "counter", "Successfully processed requests.", self.served),
+        ]
+        lines = []
+        for name, kind, doc, value in rows:
+            sample = f"{name}_total" if kind == "counter" else name
+            lines += [
+                f"# HELP {name} {doc}",
+                f"# TYPE {name} {kind}",
+                f"{sample}{labels} {float(value)}",
+            ]
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,250 @@
+"""Discrete-event simulation of a fleet in virtual time: the real policies, simulated workers.
+
+The router side is the production code: ``kvroute.policies.create_policy`` with a real
+``PrefixIndex``, called exactly as the router calls it (``select`` with the in-flight
+load of every worker, then one unit of load reserved on the chosen worker at once;
+released when the request completes). The workers are ``PrefixCache`` + ``CostModel``,
+the same pieces ``kvroute sim-worker`` runs, advanced by a heap of completion events
+instead of sleeps:
+
+* at most ``max_batch`` requests run per worker; the rest wait FIFO;
+* a request admitted to run looks up and pins its prompt blocks (hit = leading blocks
+  cached), then waits for the worker's prefill engine (one prefill at a time, FIFO),
+  which takes ``cost.prefill_s(uncached)``; its first token is out at the end of it;
+* the remaining tokens come at ``cost.decode_interval_s(batch)`` where ``batch`` is the
+  number running on the worker when it was admitted (decode batching, approximated);
+* completion unpins the blocks, releases the load and admits the next waiting request.
+
+Block keys are computed once per request (``prepare``) and reused by every policy run.
+The upper bound is one infinite cache shared by the whole fleet: the leading blocks of
+each prompt already seen in an earlier prompt, over all prompt tokens.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import numpy as np
+
+from kvroute._native import PrefixIndex
+from kvroute.policies.base import Policy, RouteRequest
+from kvroute.sim.cache import Handle, PrefixCache, block_keys_batch
+from kvroute.sim.cost import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_TOKENS, CostModel
+from kvroute.sim.report import ResultRow, summarize
+from kvroute.sim.workloads import Request
+
+PolicyFactory = Callable[[PrefixIndex], Policy]
+
+
+@dataclass(slots=True)
+class FleetConfig:
+    workers: int = 8
+    capacity_tokens: int = DEFAULT_CAPACITY_TOKENS
+    block_size: int = DEFAULT_BLOCK_SIZE
+    cost: CostModel = field(default_factory=CostModel)
+    # The router's --max-tree-size (tokens per worker in its index); None = unbounded.
+    max_tree_size: int | None = None
+    policy_settings: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A workload sorted by arrival, with each prompt's block keys computed once."""
+
+    requests: list[Request]
+    keys: list[np.ndarray]
+    block_size: int
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(r.tokens) for r in self.requests)
+
+
+def prepare(requests: Sequence[Request], block_size: int = DEFAULT_BLOCK_SIZE) -> Prepared:
+    reqs = sorted(requests, key=lambda r: r.arrival_s)
+    return Prepared(reqs, block_keys_batch([r.tokens for r in reqs], block_size), block_size)
+
+
+def upper_bound(prep: Prepared) -> float:
+    """Hit rate of one infinite cache shared by the fleet (blocks seen before / tokens).
+
+    A key names its whole prefix and every prompt adds all its keys, so the set of keys
+    seen is prefix-closed: the leading blocks seen before are found by binary search, and
+    only the keys after them are new.
+    """
+    seen: set[int] = set()
+    bs = prep.block_size
+    hit = total = 0
+    for req, keys in zip(prep.requests, prep.keys, strict=True):
+        n = len(req.tokens)
+        total += n
+        lo, hi = 0, len(keys)  # keys[:lo] seen, keys[hi:] not seen
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if int(keys[mid]) in seen:
+                lo = mid + 1
+            else:
+                hi = mid
+        hit += min(lo, max(n - 1, 0) // bs) * bs
+        seen.update(keys[lo:].tolist())
+    return hit / total if total else 0.0
+
+
+def worker_names(n: int) -> list[str]:
+    return [f"http://sim-{i}:8000" for i in range(n)]
+
+
+def _factory(policy: str | PolicyFactory, cfg: FleetConfig) -> tuple[str, PolicyFactory]:
+    if not isinstance(policy, str):
+        return getattr(policy, "name", "custom"), policy
+    from kvroute.policies import create_policy
+
+    name = policy
+    settings = dict(cfg.policy_settings)
+    settings.setdefault("seed", 0)
+    return name, lambda index: create_policy(name, index, **settings)
+
+
+def simulate(
+    prep: Prepared,
+    policy: str | PolicyFactory,
+    cfg: FleetConfig,
+    *,
+    name: str | None = None,
+    record: bool = False,
+) -> ResultRow:
+    """Run ``prep`` through a fresh fleet routed by ``policy``; one result row.
+
+    ``record``: also return, in ``extra``, each request's worker index (``assigned``) and
+    cached prompt tokens (``cached``), in arrival order (to compare with the HTTP path).
+    """
+    if prep.block_size != cfg.block_size:
+        raise ValueError("workload prepared with a different block size")
+    pname, make = _factory(policy, cfg)
+    index = PrefixIndex(cfg.max_tree_size)
+    pol = make(index)
+    names = worker_names(cfg.workers)
+    for wname in names:
+        pol.on_worker_added(wname)
+    widx = {w: i for i, w in enumerate(names)}
+    nw = cfg.workers
+    caches = [PrefixCache(cfg.capacity_tokens, cfg.block_size) for _ in range(nw)]
+    cost = cfg.cost
+    max_batch = cost.max_batch
+    loads: dict[str, int] = dict.fromkeys(names, 0)
+    running = [0] * nw
+    queues: list[deque[int]] = [deque() for _ in range(nw)]
+    prefill_free = [0.0] * nw
+    per_worker = [0] * nw
+
+    reqs = prep.requests
+    keys = prep.keys
+    nreq = len(reqs)
+    arrivals = [r.arrival_s for r in reqs]
+    assigned = [0] * nreq
+    handles: list[Handle | None] = [None] * nreq
+    ttft = [0.0] * nreq
+    e2e = [0.0] * nreq
+    cached_total = 0
+    cached_per: list[int] = [0] * nreq if record else []
+    heap: list[tuple[float, int, int]] = []  # (time, request, worker)
+    select = pol.select
+    decision_ns = 0
+    perf = time.perf_counter_ns
+
+    def admit(w: int, r: int, now: float) -> None:
+        nonlocal cached_total
+        req = reqs[r]
+        n = len(req.tokens)
+        cached, handle = caches[w].admit_keys(keys[r].tolist(), n)
+        handles[r] = handle
+        cached_total += cached
+        if record:
+            cached_per[r] = cached
+        running[w] += 1
+        start = prefill_free[w] if prefill_free[w] > now else now
+        first = start + cost.prefill_s(n - cached)
+        prefill_free[w] = first
+        done = first + cost.decode_s(req.output_len, running[w])
+        ttft[r] = first - req.arrival_s
+        e2e[r] = done - req.arrival_s
+        heapq.heappush(heap, (done, r, w))
+
+    nxt = 0
+    while nxt < nreq or heap:
+        if heap and (nxt >= nreq or heap[0][0] <= arrivals[nxt]):
+            now, r, w = heapq.heappop(heap)
+            h = handles[r]
+            if h is not None:
+                caches[w].release(h)
+                handles[r] = None
+            running[w] -= 1
+            loads[names[w]] -= 1
+            if queues[w]:
+                admit(w, queues[w].popleft(), now)
+            continue
+        r = nxt
+        nxt += 1
+        now = arrivals[r]
+        t0 = perf()
+        decision = select(RouteRequest(tokens=cast(Sequence[int], reqs[r].tokens)), loads)
+        decision_ns += perf() - t0
+        loads[decision.worker] += 1
+        w = widx[decision.worker]
+        assigned[r] = w
+        per_worker[w] += 1
+        if running[w] < max_batch:
+            admit(w, r, now)
+        else:
+            queues[w].append(r)
+
+    extra: dict[str, Any] = {
+        "final_inflight": sum(loads.values()),
+        "final_running": sum(running),
+        "pinned_blocks": sum(c.pinned_blocks for c in caches),
+        "workers": nw,
+    }
+    if record:
+        extra["assigned"] = assigned
+        extra["cached"] = cached_per
+    prompt_tokens = prep.prompt_tokens
+    output_tokens = sum(r.output_len for r in reqs)
+    end = max((arrivals[i] + e2e[i] for i in range(nreq)), default=0.0)
+    duration = end - (arrivals[0] if nreq else 0.0)
+    return summarize(
+        name or pname,
+        ttft_s=ttft,
+        e2e_s=e2e,
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached_total,
+        output_tokens=output_tokens,
+        duration_s=duration,
+        per_worker=per_worker,
+        decision_us=decision_ns / 1000 / nreq if nreq else 0.0,
+        extra=extra,
+    )
+
+
+def compare(
+    requests: Sequence[Request],
+    policies: Sequence[str | PolicyFactory],
+    cfg: FleetConfig,
+    *,
+    progress: Callable[[str, float], None] | None = None,
+) -> tuple[list[ResultRow], float]:
+    """Every policy on the same requests (keys computed once); rows and the upper bound."""
+    prep = prepare(requests, cfg.block_size)
+    rows = []
+    for p in policies:
+        t0 = time.perf_counter()
+        row = simulate(prep, p, cfg)
+        row.extra["wall_s"] = time.perf_counter() - t0
+        if progress is not None:
+            progress(row.name, row.extra["wall_s"])
+        rows.append(row)
+    return rows, upper_bound(prep)
