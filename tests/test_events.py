@@ -612,10 +612,11 @@ def test_subscriber_binds_for_many_engines(engines: list[FakeEngine]) -> None:
         assert tracker.mode(w0) == "precise"
         assert PreciseView(tracker).match(t) == ({w0: 12}, {w0})
         text = generate_latest(registry).decode()
-        assert f'kvroute_kv_gaps_total{{worker="{w1}"}} 1.0' in text
-        assert f'kvroute_kv_batches_total{{worker="{w0}"}} 1.0' in text
-        assert f'kvroute_kv_worker_mode{{mode="stale",worker="{w1}"}} 1.0' in text
-        assert "kvroute_kv_unrouted_messages_total 1.0" in text
+        assert f'kvroute_kv_events_gaps_total{{worker="{w1}"}} 1.0' in text
+        assert f'kvroute_kv_events_batches_total{{worker="{w0}"}} 1.0' in text
+        assert f'kvroute_kv_events_worker_mode{{mode="stale",worker="{w1}"}} 1.0' in text
+        assert "kvroute_kv_events_unrouted_messages_total 1.0" in text
+        assert f'kvroute_kv_events_received_total{{worker="{w1}"}} 2.0' in text
     finally:
         stop_within(sub)
 

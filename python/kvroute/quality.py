@@ -108,4 +108,5 @@ def run_router(
         duration_s=wall,
         per_worker=[a - b for a, b in zip(after, before, strict=True)],
         errors=len(outcomes) - len(ok),
+        extra={"ttft": [round(o.ttft_s, 6) for o in ok]},
     )

@@ -7,6 +7,7 @@ policy which workers it can trust:
 * ``decode``: msgpack batches, both event encodings, into small dataclasses.
 * ``spec``: the ``--kv-events 'URL=ENDPOINT[;topic=T][;replay=ENDPOINT][;bind|;connect]'``
   syntax (documented there).
+* ``keyable``: which reported blocks can be keyed by token IDs (no LoRA, multimodal...).
 * ``tracker``: per-worker sequence tracking and recovery; modes ``approximate`` /
   ``precise`` / ``stale``.
 * ``view``: ``PreciseView``, the policy's entry point.

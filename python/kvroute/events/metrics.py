@@ -1,5 +1,11 @@
 """Prometheus export of the KV event counters (one call: ``register_kv_event_metrics``).
 
+Every series is named ``kvroute_kv_events_*``: per worker the counters of
+``WorkerCounters`` (``..._received_total``, ``..._applied_total``, ``..._gaps_total``,
+``..._replays_total``, ``..._restarts_total``, ...), ``kvroute_kv_events_worker_mode``
+(1 for the current mode) and ``kvroute_kv_events_cached_blocks``; fleet-wide
+``kvroute_kv_events_unrouted_messages_total`` and ``..._malformed_messages_total``.
+
 The counters live in the tracker (plain ints under its lock); a custom collector reads
 a snapshot at scrape time, so the event path never touches prometheus_client.
 """
@@ -14,6 +20,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from kvroute.events.subscriber import KvEventSubscriber
 from kvroute.events.tracker import COUNTER_NAMES, MODES, EventTracker
 
+PREFIX = "kvroute_kv_events_"
 _HELP = {
     "batches": "KV event batches received (live and replayed)",
     "batches_dropped": "KV event batches whose payload did not decode",
@@ -38,17 +45,18 @@ class KvEventsCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         snap = self.tracker.snapshot()
         for name in COUNTER_NAMES:
-            fam = CounterMetricFamily(f"kvroute_kv_{name}", _HELP[name], labels=["worker"])
+            metric = PREFIX + name.removeprefix("events_")
+            fam = CounterMetricFamily(metric, _HELP[name], labels=["worker"])
             for worker, row in snap.items():
                 fam.add_metric([worker], float(row[name]))
             yield fam
         mode = GaugeMetricFamily(
-            "kvroute_kv_worker_mode",
+            PREFIX + "worker_mode",
             "1 for the worker's current routing mode (approximate, precise, stale)",
             labels=["worker", "mode"],
         )
         blocks = GaugeMetricFamily(
-            "kvroute_kv_cached_blocks", "Blocks each worker holds per its events", labels=["worker"]
+            PREFIX + "cached_blocks", "Blocks each worker holds per its events", labels=["worker"]
         )
         for worker, row in snap.items():
             for m in MODES:
@@ -58,12 +66,12 @@ class KvEventsCollector(Collector):
         yield blocks
         if self.subscriber is not None:
             yield CounterMetricFamily(
-                "kvroute_kv_unrouted_messages",
+                PREFIX + "unrouted_messages",
                 "KV event messages whose topic matched no configured worker",
                 value=float(self.subscriber.unrouted),
             )
             yield CounterMetricFamily(
-                "kvroute_kv_malformed_messages",
+                PREFIX + "malformed_messages",
                 "KV event messages that were not [topic, seq, payload]",
                 value=float(self.subscriber.malformed),
             )

@@ -1,4 +1,4 @@
-"""Per-worker event streams: sequence tracking, recovery, and the precise view.
+"""Per-worker event streams: sequence tracking and recovery, feeding the ``BlockIndex``.
 
 Each worker's stream is a small state machine over the batch sequence numbers:
 
@@ -29,12 +29,12 @@ Transitions on a batch with seq ``s`` when the last applied seq is ``l``:
     applied.
   - ``s <= l``: the engine restarted (seq starts at 0 again). Its state is dropped and
     ``s`` is handled as the first batch of a new stream.
+  - A restart whose new seq has passed ``l`` before any of its batches reaches us looks
+    in order; the router's health checker covers that case by calling ``reset(worker)``
+    when a worker goes down (state dropped, ``approximate`` until its next batch).
 
-Events kvroute cannot key by token IDs alone are ignored, with their descendants: LoRA
-blocks, blocks with ``extra_keys`` (multimodal inputs, cache salt), media other than
-GPU, and KV cache groups other than the first full-attention group. SGLang's partial
-last page is trimmed the same way. Their hashes are remembered (until removed) so that
-a child event naming them as parent is ignored too instead of looking like a loss.
+Events kvroute cannot key by token IDs alone (LoRA, multimodal, other media or KV
+cache groups) are skipped: see ``kvroute.events.keyable``.
 
 Threading: ``feed`` is called by one thread (the subscriber); ``mode``,
 ``precise_workers`` and ``snapshot`` from any thread (``kvroute.events.view``). A replay
@@ -58,6 +58,7 @@ from kvroute.events.decode import (
     KvEventDecodeError,
     decode_batch,
 )
+from kvroute.events.keyable import KeyableFilter
 
 log = logging.getLogger("kvroute.events")
 
@@ -98,8 +99,7 @@ class _Stream:
     replaying: bool = False
     epoch: int = 0  # bumped by reset / removal: a batch in flight then is discarded
     in_order_since_stale: int = 0
-    group: int | None = None  # the KV cache group whose events we apply
-    ignored: set[int] = field(default_factory=set)  # engine hashes of ignored blocks
+    keys: KeyableFilter = field(default_factory=KeyableFilter)
     counters: WorkerCounters = field(default_factory=WorkerCounters)
 
 
@@ -284,8 +284,7 @@ class EventTracker:
 
     def _reset(self, worker: str, s: _Stream, mode: Mode) -> None:
         self.index.clear_worker(worker)
-        s.ignored.clear()
-        s.group = None
+        s.keys.clear()
         s.last_seq = None
         s.mode = mode
         s.in_order_since_stale = 0
@@ -313,15 +312,15 @@ class EventTracker:
             if isinstance(ev, BlockStored):
                 self._stored(worker, s, ev)
             elif isinstance(ev, BlockRemoved):
-                if not self._wanted(s, ev.medium, ev.group_idx, None):
+                if not s.keys.wanted(ev.medium, ev.group_idx):
                     c.events_ignored += 1
                     continue
-                s.ignored.difference_update(ev.block_hashes)
+                s.keys.removed(ev.block_hashes)
                 self.index.removed(worker, ev.block_hashes)
                 c.events_applied += 1
             elif isinstance(ev, AllBlocksCleared):
                 self.index.clear_worker(worker)
-                s.ignored.clear()
+                s.keys.clear()
                 s.mode = "precise"
                 c.events_applied += 1
         if s.mode == "stale":
@@ -330,22 +329,12 @@ class EventTracker:
                 log.info("kv events from %s: rebuilt, precise again", worker)
                 s.mode = "precise"
 
-    def _wanted(self, s: _Stream, medium: str | None, group: int | None, kind: str | None) -> bool:
-        if medium not in (None, "GPU"):
-            return False
-        if group is None:
-            return True
-        if s.group is None and kind in (None, "full_attention"):
-            s.group = group
-        return group == s.group
-
     def _stored(self, worker: str, s: _Stream, ev: BlockStored) -> None:
         c = s.counters
-        if not self._wanted(s, ev.medium, ev.group_idx, ev.kv_cache_spec_kind):
+        if not s.keys.wanted(ev.medium, ev.group_idx, ev.kv_cache_spec_kind):
             c.events_ignored += 1
             return
-        keep = _keyable_blocks(ev, s.ignored)
-        s.ignored.update(ev.block_hashes[keep:])
+        keep = s.keys.keyable(ev)
         if keep == 0:
             c.events_ignored += 1
             return
@@ -369,17 +358,3 @@ class EventTracker:
             log.warning("kv events from %s: bad BlockStored: %s", worker, e)
             return
         c.events_applied += 1
-
-
-def _keyable_blocks(ev: BlockStored, ignored: set[int]) -> int:
-    """How many leading blocks of ``ev`` kvroute can key by their token IDs alone."""
-    if ev.lora_id is not None or ev.lora_name is not None:
-        return 0
-    if ev.parent_block_hash is not None and ev.parent_block_hash in ignored:
-        return 0
-    n = min(len(ev.block_hashes), len(ev.token_ids) // ev.block_size)  # drop a partial page
-    if ev.extra_keys is not None:
-        for i, extra in enumerate(ev.extra_keys[:n]):
-            if extra is not None:
-                return i
-    return n
