@@ -200,3 +200,10 @@ async def test_bad_input_rejected_without_tokenizing(path: str, body: bytes, mes
     finally:
         await client.aclose()
         await close()
+
+
+async def test_adding_a_worker_with_kv_events_needs_precise_mode(router: Any) -> None:
+    client, _, _ = router
+    r = await client.post("/workers", json={"url": "http://w9:1", "kv_events": "tcp://x:1"})
+    assert r.status_code == 400
+    assert "precise mode is off" in r.json()["error"]["message"]

@@ -394,9 +394,32 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
             url = normalize_worker_url(obj.get("url"))  # type: ignore[arg-type]
         except ConfigError as e:
             raise BadRequestError(str(e)) from None
+        kv_events = obj.get("kv_events")
+        if kv_events is not None:
+            await add_event_source(url, kv_events)
         existed = url in state.registry.workers
         state.registry.add(url)
         return JSONResponse({"url": url, "added": not existed}, status_code=200 if existed else 201)
+
+    async def add_event_source(url: str, kv_events: Any) -> None:
+        """``{"url": ..., "kv_events": "tcp://host:port[;topic=T][;replay=...][;bind]"}``."""
+        if state.subscriber is None:
+            raise BadRequestError(
+                "precise mode is off: start kvroute serve with --kv-events "
+                "to add workers with KV events"
+            )
+        if not isinstance(kv_events, str):
+            raise BadRequestError("'kv_events' must be a string like 'tcp://host:port;bind'")
+        from kvroute.events import KvEventsSpecError, parse_kv_events_spec
+
+        try:
+            source = parse_kv_events_spec(f"{url}={kv_events}")
+        except KvEventsSpecError as e:
+            raise BadRequestError(str(e)) from None
+        try:
+            await asyncio.to_thread(state.subscriber.add_source, source)
+        except Exception as e:  # a socket that cannot bind/connect is the caller's setting
+            raise BadRequestError(f"cannot subscribe to {kv_events!r}: {e}") from None
 
     @app.delete("/workers/{url:path}")
     async def remove_worker(request: Request, url: str) -> Response:
@@ -404,6 +427,8 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
         target = unquote(url).rstrip("/")
         if state.registry.remove(target) is None:
             raise NotFoundError(f"no worker {target!r}")
+        if state.subscriber is not None and target in state.subscriber.sources:
+            await asyncio.to_thread(state.subscriber.remove_source, target)
         return JSONResponse({"url": target, "removed": True})
 
     @app.post("/flush_cache")

@@ -59,6 +59,7 @@ class Settings:
     health_success_threshold: int = 1
     circuit_breaker_failures: int = 10
     circuit_breaker_cooldown_secs: float = 10.0
+    failure_cooldown_secs: float = 5.0
     max_concurrent_requests: int = 0  # 0 = unlimited
     max_queued_requests: int = 1024
     queue_timeout_secs: float = 30.0
@@ -104,6 +105,8 @@ class Settings:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
+        if self.failure_cooldown_secs < 0:
+            raise ConfigError("--failure-cooldown-secs must be >= 0")
         if self.max_retries < 0:
             raise ConfigError("--max-retries must be >= 0")
         if self.health_failure_threshold < 1 or self.health_success_threshold < 1:

@@ -232,7 +232,7 @@ class Forwarder:
         kind = type(e).__name__
         self.s.metrics.worker_failures.labels(worker, kind).inc()
         self.s.metrics.retries.labels(kind).inc()
-        self.s.registry.mark_down(worker, f"{kind} before the first byte")
+        self.s.registry.mark_down(worker, f"{kind} before the first byte", passive=True)
         return f"{worker}: {kind}"
 
     async def _backoff(self, attempt: int) -> None:
@@ -279,6 +279,6 @@ class Forwarder:
             log.warning("stream from %s broke: %s", worker, name)
             self.s.metrics.worker_failures.labels(worker, f"stream_{name}").inc()
             if not isinstance(e, TimeoutError):
-                self.s.registry.mark_down(worker, f"{name} mid-stream")
+                self.s.registry.mark_down(worker, f"{name} mid-stream", passive=True)
             msg = f"upstream worker failed mid-stream ({name})"
             yield b"data: " + error_body(msg, "upstream_error", "stream_interrupted") + b"\n\n"

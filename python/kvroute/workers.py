@@ -7,7 +7,8 @@ the request (success, upstream error, timeout, client disconnect).
 
 Health: a worker leaves the rotation when
 * a request to it fails before any response byte (connection refused/reset, connect or
-  first-byte timeout) — passive detection, immediate;
+  first-byte timeout) — passive detection, immediate; it then sits out at least
+  ``failure_cooldown_secs`` even if its health endpoint still answers;
 * ``health_failure_threshold`` consecutive active checks fail;
 * its circuit breaker opens: ``circuit_breaker_failures`` consecutive 5xx answers; it is
   then skipped for ``circuit_breaker_cooldown_secs`` and let back in (half-open) after.
@@ -39,11 +40,14 @@ class Worker:
     check_successes: int = 0
     consecutive_5xx: int = 0
     circuit_open_until: float = 0.0
+    # A worker that failed a request stays out at least until then, even if its health
+    # endpoint answers (a worker can answer /health and still hang on inference).
+    cooldown_until: float = 0.0
     down_reason: str = ""
     extra: dict[str, object] = field(default_factory=dict)
 
     def available(self, now: float) -> bool:
-        return self.healthy and now >= self.circuit_open_until
+        return self.healthy and now >= self.circuit_open_until and now >= self.cooldown_until
 
 
 class Reservation:
@@ -113,10 +117,14 @@ class Registry:
 
     # ------------------------------------------------------------- health events
 
-    def mark_down(self, url: str, reason: str) -> None:
+    def mark_down(self, url: str, reason: str, *, passive: bool = False) -> None:
+        """Take ``url`` out of rotation. ``passive``: a real request failed on it, so it
+        also sits out ``failure_cooldown_secs`` whatever its health checks say."""
         w = self.workers.get(url)
         if w is None:
             return
+        if passive:
+            w.cooldown_until = time.monotonic() + self.settings.failure_cooldown_secs
         w.failed += 1
         w.check_successes = 0
         if w.healthy:
