@@ -20,8 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvroute.peers import PEERS
-from kvroute.quality import RouterSpec, run_router, start_sim_workers
+from kvroute.quality import RouterSpec, installed_peer_specs, run_router, start_sim_workers
 from kvroute.sim.fleet import prepare, upper_bound
 from kvroute.sim.report import ResultRow, markdown_table, to_json
 from kvroute.sim.workloads import gsp, llmd, multiturn
@@ -109,11 +108,7 @@ def main() -> int:
     extra = tuple(args.kvroute_args.split())
     specs = [RouterSpec(f"kvroute {p}", "kvroute", p, extra) for p in args.policies.split(",")]
     if args.peers:
-        for key, peer in PEERS.items():
-            if peer.installed(ROOT):
-                specs.append(RouterSpec(f"{peer.name} cache_aware", key, "cache_aware"))
-            else:
-                print(f"skipping {peer.name}: {peer.install_hint()}", file=sys.stderr)
+        specs += installed_peer_specs(ROOT)
     rows: list[ResultRow] = []
     samples: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="kvroute-quality-") as logs:

@@ -11,6 +11,7 @@ and ``bench/routing_quality.py``.
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,18 @@ class RouterSpec:
     kind: str
     policy: str = "cache_aware"
     args: tuple[str, ...] = field(default_factory=tuple)
+
+
+def installed_peer_specs(root: Path) -> list[RouterSpec]:
+    """A cache_aware spec for every peer router installed under ``root/.peers``; says on
+    stderr which are skipped and how to install them."""
+    specs = []
+    for key, peer in PEERS.items():
+        if peer.installed(root):
+            specs.append(RouterSpec(f"{peer.name} cache_aware", key, "cache_aware"))
+        else:
+            print(f"skipping {peer.name}: not installed ({peer.install_hint()})", file=sys.stderr)
+    return specs
 
 
 def start_sim_workers(n: int, log_dir: str, args: Sequence[str] = ()) -> list[Server]:

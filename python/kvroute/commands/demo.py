@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvroute.quality import RouterSpec, run_router, start_sim_workers
+from kvroute.quality import RouterSpec, installed_peer_specs, run_router, start_sim_workers
 from kvroute.sim.fleet import prepare, upper_bound
 from kvroute.sim.report import markdown_table, to_json
 from kvroute.sim.workloads import gsp
@@ -60,15 +60,7 @@ def run(args: argparse.Namespace) -> int:
     ]
     root = Path.cwd()
     if args.peers:
-        from kvroute.peers import PEERS
-
-        for key, peer in PEERS.items():
-            if peer.installed(root):
-                specs.append(RouterSpec(f"{peer.name} cache_aware", key, "cache_aware"))
-            else:
-                print(
-                    f"skipping {peer.name}: not installed ({peer.install_hint()})", file=sys.stderr
-                )
+        specs += installed_peer_specs(root)
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvroute-demo-") as logs:
         print(f"starting {args.workers} simulated workers (logs in {logs})...", file=sys.stderr)
