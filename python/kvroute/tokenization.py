@@ -164,14 +164,21 @@ class PromptTokenizer:
                 self._cache.popitem(last=False)
         return ids
 
+    def _pieces(self, text: str) -> list[str]:
+        """``text`` split at special tokens (kept as their own pieces), as the tokenizer
+        itself splits before BPE."""
+        return self._special.split(text) if self._special is not None else [text]
+
     def encode_text(self, text: str, *, add_special_tokens: bool = False) -> array.array[int]:
         """Encode ``text`` piecewise through the segment cache (synchronous)."""
         if self._tok is None:
             return utf8_tokens(text)
+        return self._encode_pieces(self._pieces(text), add_special_tokens)
+
+    def _encode_pieces(self, pieces: list[str], add_special_tokens: bool) -> array.array[int]:
         out = array.array("I")
         if add_special_tokens:
             out.extend(self._prefix_specials)
-        pieces = self._special.split(text) if self._special is not None else [text]
         for piece in pieces:
             if not piece:
                 continue
@@ -182,22 +189,24 @@ class PromptTokenizer:
                 out.extend(self._encode_piece(piece))
         return out
 
-    def _uncached_chars(self, text: str) -> int:
-        if self._tok is None:
-            return 0
-        pieces = self._special.split(text) if self._special is not None else [text]
-        return sum(
-            len(p) for p in pieces if p and p not in self._cache and p not in self._special_ids
-        )
-
     async def encode_text_async(
         self, text: str, *, add_special_tokens: bool = False
     ) -> array.array[int]:
-        if self._uncached_chars(text) > OFFLOAD_CHARS:
-            return await asyncio.to_thread(
-                self.encode_text, text, add_special_tokens=add_special_tokens
-            )
-        return self.encode_text(text, add_special_tokens=add_special_tokens)
+        """Like ``encode_text``; a text with more than OFFLOAD_CHARS characters not yet in
+        the segment cache is encoded in a worker thread."""
+        if self._tok is None:
+            return utf8_tokens(text)
+        pieces = self._pieces(text)
+        if len(text) > OFFLOAD_CHARS:
+            with self._lock:
+                uncached = sum(
+                    len(p)
+                    for p in pieces
+                    if p and p not in self._cache and p not in self._special_ids
+                )
+            if uncached > OFFLOAD_CHARS:
+                return await asyncio.to_thread(self._encode_pieces, pieces, add_special_tokens)
+        return self._encode_pieces(pieces, add_special_tokens)
 
     # ------------------------------------------------------------------ rendering
 
