@@ -10,6 +10,9 @@ and answers a fixed chat completion) receive the same load five ways:
 * ``sgl_cache``   SGLang's router (sglang-router 0.3.x, Rust) ``--policy cache_aware``
 * ``vllm_rr``     vLLM's router ``--policy round_robin`` (its cache_aware calls
                   ``/v1/chat/completions/render`` on the workers, which these lack)
+* ``base_cache``, ``base_rr``  optional: the kvroute of ``--baseline-python`` (an
+                  earlier build in another virtual environment), to measure a change
+                  against its baseline in the same run
 
 Requests are non-streaming ``/v1/chat/completions`` calls of about 2,000 prompt tokens:
 a system prompt of ~1,500 tokens shared by every request of its group (8 groups) and a
@@ -341,8 +344,13 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
+# kvroute targets; base_* run the kvroute installed for --baseline-python (an earlier
+# build), so a change is measured against its baseline in the same run.
+KVROUTE_TARGETS = ("kv_cache", "kv_rr", "base_cache", "base_rr")
+
+
 def start_targets(
-    names: list[str], log_dir: str, tokenizer: str | None
+    names: list[str], log_dir: str, tokenizer: str | None, baseline_python: str | None = None
 ) -> tuple[list[Any], dict[str, Any]]:
     """Start the two workers, then every router, in parallel (each waits for /health)."""
     from concurrent.futures import ThreadPoolExecutor
@@ -356,10 +364,14 @@ def start_targets(
         return start_server(f"worker-{port}", argv, port, log_dir=log_dir)
 
     def router(name: str, urls: list[str]) -> Any:
-        if name in ("kv_cache", "kv_rr"):
+        if name in KVROUTE_TARGETS:
             port = free_port()
-            policy = "cache_aware" if name == "kv_cache" else "round_robin"
+            policy = "cache_aware" if name.endswith("_cache") else "round_robin"
             argv = kvroute_argv("serve", "--worker-urls", *urls, "--port", str(port))
+            if name.startswith("base_"):
+                if baseline_python is None:
+                    raise SystemExit(f"{name} needs --baseline-python")
+                argv[0] = baseline_python
             argv += ["--policy", policy, "--log-level", "warning"]
             if tokenizer:
                 argv += ["--tokenizer", tokenizer]
@@ -372,7 +384,7 @@ def start_targets(
             return None
         return start_peer(peer, ROOT, urls, policy=policy, log_dir=log_dir)
 
-    unknown = set(names) - {"direct", "kv_cache", "kv_rr", "sgl_cache", "vllm_rr"}
+    unknown = set(names) - {"direct", *KVROUTE_TARGETS, "sgl_cache", "vllm_rr"}
     if unknown:
         raise SystemExit(f"unknown target(s): {sorted(unknown)}")
 
@@ -418,7 +430,7 @@ def check_target(pool: LoadPool, name: str, url: str) -> bool:
 # (no root frames): the markers are chosen to classify those too.
 CATEGORIES = (
     ("tokenization: chat template", ("render_chat (kvroute", "(jinja2/")),
-    ("tokenization: encode", ("tokens_for (kvroute", "(transformers/", "_encode_piece")),
+    ("tokenization: encode", ("tokens_for (kvroute", "(transformers/", "_encode_missing")),
     ("upstream HTTP client (httpx/httpcore/h11)", ("(httpx/", "(httpcore/", "(h11/")),
     ("request body read + JSON parse", ("read_body (kvroute", "parse_object (kvroute")),
     (
@@ -525,6 +537,12 @@ def main() -> int:
     )
     ap.add_argument("--profile", type=float, default=0.0, metavar="SECONDS",
                     help="afterwards, py-spy kvroute cache_aware for this long")  # fmt: skip
+    ap.add_argument(
+        "--baseline-python",
+        default=None,
+        metavar="PYTHON",
+        help="interpreter of another kvroute install, for the base_cache/base_rr targets",
+    )
     ap.add_argument("--log-dir", default="/tmp/router_overhead_logs")
     ap.add_argument("--serve-worker", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -556,7 +574,7 @@ def main() -> int:
     t_start = time.monotonic()
     load0 = os.getloadavg()[0]
     pool = LoadPool(args.clients)
-    servers, targets = start_targets(args.targets, args.log_dir, tokenizer)
+    servers, targets = start_targets(args.targets, args.log_dir, tokenizer, args.baseline_python)
     log(f"started {len(servers)} servers")
     cells: dict[tuple[str, int], Cell] = defaultdict(Cell)
     try:

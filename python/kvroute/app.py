@@ -26,20 +26,22 @@ from starlette.responses import JSONResponse, Response
 
 from kvroute import __version__
 from kvroute._native import PrefixIndex
+from kvroute.admission import Admission
 from kvroute.config import ConfigError, Settings, normalize_worker_url
 from kvroute.errors import (
     BadRequestError,
     ForbiddenError,
     NotFoundError,
-    OverloadedError,
     RouterError,
     UnauthorizedError,
     error_response,
 )
+from kvroute.fastpath import RouterApp
 from kvroute.metrics import RouterMetrics
 from kvroute.policies import Policy, create_policy
 from kvroute.proxy import Forwarder, ProxyStream, parse_object, read_body
 from kvroute.tokenization import PromptTokenizer
+from kvroute.upstream import PerWorkerPools, create_client
 from kvroute.workers import Registry
 
 log = logging.getLogger("kvroute.app")
@@ -52,49 +54,6 @@ OPENAI_BODY = {
 }
 
 
-class Admission:
-    """Bounded concurrency with a bounded wait queue (0 = unlimited)."""
-
-    def __init__(self, limit: int, queue: int, timeout_s: float) -> None:
-        self.limit = limit
-        self.queue = queue
-        self.timeout_s = timeout_s
-        self.active = 0
-        self.waiting = 0
-        self._cond = asyncio.Condition()
-
-    async def acquire(self) -> None:
-        if self.limit <= 0:
-            self.active += 1
-            return
-        if self.active < self.limit and self.waiting == 0:
-            self.active += 1
-            return
-        if self.waiting >= self.queue:
-            raise OverloadedError(
-                "router at capacity and its wait queue is full", headers={"Retry-After": "1"}
-            )
-        self.waiting += 1
-        try:
-            async with self._cond:
-                await asyncio.wait_for(
-                    self._cond.wait_for(lambda: self.active < self.limit), self.timeout_s
-                )
-                self.active += 1
-        except TimeoutError:
-            raise OverloadedError(
-                "timed out waiting for a free slot", headers={"Retry-After": "1"}
-            ) from None
-        finally:
-            self.waiting -= 1
-
-    async def release(self) -> None:
-        self.active -= 1
-        if self.limit > 0:
-            async with self._cond:
-                self._cond.notify()
-
-
 @dataclass
 class RouterState:
     settings: Settings
@@ -105,6 +64,7 @@ class RouterState:
     metrics: RouterMetrics
     admission: Admission
     client: httpx.AsyncClient = field(init=False)
+    pools: PerWorkerPools | None = None  # the client's per-worker transport
     started: float = field(default_factory=time.time)
     events: Any = None  # kvroute.events.EventTracker in precise mode
     subscriber: Any = None
@@ -235,17 +195,10 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         s = state.settings
-        state.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(
-                connect=s.connect_timeout_secs,
-                read=s.first_byte_timeout_secs,
-                write=s.connect_timeout_secs,
-                pool=s.queue_timeout_secs,
-            ),
-            limits=httpx.Limits(
-                max_connections=2048, max_keepalive_connections=512, keepalive_expiry=30
-            ),
-            trust_env=False,
+        state.client, state.pools = create_client(
+            connect_s=s.connect_timeout_secs,
+            first_byte_s=s.first_byte_timeout_secs,
+            pool_s=s.queue_timeout_secs,
         )
         task = asyncio.create_task(health_loop(state))
         if state.subscriber is not None:
@@ -260,7 +213,7 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
                 await task
             await state.client.aclose()
 
-    app = FastAPI(
+    app = RouterApp(
         title="kvroute", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
     )
     app.state.router = state
@@ -330,6 +283,8 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
         else:
             await state.admission.release()
         return response
+
+    app.inference = inference
 
     @app.post("/v1/chat/completions", openapi_extra=OPENAI_BODY)
     async def chat(request: Request) -> Response:
@@ -429,6 +384,8 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
             raise NotFoundError(f"no worker {target!r}")
         if state.subscriber is not None and target in state.subscriber.sources:
             await asyncio.to_thread(state.subscriber.remove_source, target)
+        if state.pools is not None:
+            await state.pools.drop(target)
         return JSONResponse({"url": target, "removed": True})
 
     @app.post("/flush_cache")

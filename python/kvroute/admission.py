@@ -1,0 +1,55 @@
+"""Admission control: bounded concurrency with a bounded wait queue.
+
+``--max-concurrent-requests`` (0 = unlimited) requests run at once; up to
+``--max-queued-requests`` more wait, each at most ``--queue-timeout-secs``; past either
+bound the request gets 429 with ``Retry-After: 1``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvroute.errors import OverloadedError
+
+
+class Admission:
+    """Bounded concurrency with a bounded wait queue (0 = unlimited)."""
+
+    def __init__(self, limit: int, queue: int, timeout_s: float) -> None:
+        self.limit = limit
+        self.queue = queue
+        self.timeout_s = timeout_s
+        self.active = 0
+        self.waiting = 0
+        self._cond = asyncio.Condition()
+
+    async def acquire(self) -> None:
+        if self.limit <= 0:
+            self.active += 1
+            return
+        if self.active < self.limit and self.waiting == 0:
+            self.active += 1
+            return
+        if self.waiting >= self.queue:
+            raise OverloadedError(
+                "router at capacity and its wait queue is full", headers={"Retry-After": "1"}
+            )
+        self.waiting += 1
+        try:
+            async with self._cond:
+                await asyncio.wait_for(
+                    self._cond.wait_for(lambda: self.active < self.limit), self.timeout_s
+                )
+                self.active += 1
+        except TimeoutError:
+            raise OverloadedError(
+                "timed out waiting for a free slot", headers={"Retry-After": "1"}
+            ) from None
+        finally:
+            self.waiting -= 1
+
+    async def release(self) -> None:
+        self.active -= 1
+        if self.limit > 0:
+            async with self._cond:
+                self._cond.notify()
