@@ -36,7 +36,7 @@ from kvroute.errors import BadRequestError
 log = logging.getLogger("kvroute.tokenization")
 
 # Texts longer than this (in characters still to encode) are encoded off the event loop.
-OFFLOAD_CHARS = 2048
+OFFLOAD_CHARS = 512
 MAX_TOKEN_ID = 2**32 - 1
 
 
