@@ -120,6 +120,10 @@ class PromptTokenizer:
         self._prefix_specials: list[int] = []
         self._lock = threading.Lock()
         if tokenizer_dir is not None:
+            # The Rust tokenizer's rayon threads spin after every call; the router encodes
+            # one text per call, so parallelism only burns CPU (+30-50% per encode,
+            # measured). An explicit setting by the user wins.
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
             from transformers import AutoTokenizer
 
             self._tok = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
