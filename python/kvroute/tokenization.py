@@ -36,7 +36,9 @@ from kvroute.errors import BadRequestError
 log = logging.getLogger("kvroute.tokenization")
 
 # Texts longer than this (in characters still to encode) are encoded off the event loop.
-OFFLOAD_CHARS = 512
+# The thread hop costs ~0.3 ms of CPU here, about what encoding 1,000 characters costs;
+# past 2,048 characters (~500 tokens) keeping the loop free is worth it.
+OFFLOAD_CHARS = 2048
 MAX_TOKEN_ID = 2**32 - 1
 
 
