@@ -12,7 +12,7 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
@@ -28,6 +28,7 @@ from kvroute import __version__
 from kvroute._native import PrefixIndex
 from kvroute.admission import Admission
 from kvroute.config import ConfigError, Settings, normalize_worker_url
+from kvroute.engine_load import CapacityLearner, parse_engine_load
 from kvroute.errors import (
     BadRequestError,
     ForbiddenError,
@@ -67,6 +68,7 @@ class RouterState:
     pools: PerWorkerPools | None = None  # the client's per-worker transport
     started: float = field(default_factory=time.time)
     events: Any = None  # kvroute.events.EventTracker in precise mode
+    capacity: CapacityLearner | None = None  # learned worker capacities (guard on auto)
     subscriber: Any = None
 
     def snapshot(self) -> dict[str, Any]:
@@ -89,9 +91,16 @@ class RouterState:
                 "down_reason": w.down_reason or None,
                 "circuit_open": now < w.circuit_open_until,
                 "mode": self.events.mode(w.url) if self.events is not None else "approximate",
+                "capacity": self.worker_capacity(w.url),
             }
             for w in self.registry.workers.values()
         ]
+
+    def worker_capacity(self, url: str) -> int | None:
+        """The saturation guard's capacity for ``url``: fixed, learned, or None."""
+        if self.settings.worker_capacity is not None:
+            return self.settings.worker_capacity
+        return self.capacity.capacities.get(url) if self.capacity is not None else None
 
 
 def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) -> RouterState:
@@ -121,11 +130,51 @@ def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) ->
         ),
     )
     state.metrics = RouterMetrics(state.snapshot)
+    if (
+        settings.learn_capacity
+        and settings.worker_capacity is None
+        and hasattr(policy, "capacities")
+    ):
+        setup_capacity_learning(state)
     if settings.kv_events:
         setup_precise(state)
     for url in settings.worker_urls:
         registry.add(url)
     return state
+
+
+def _chain_on_down(state: RouterState, hook: Callable[[str], None]) -> None:
+    """Also call ``hook`` when a worker goes down or is removed."""
+    previous = state.registry._on_down
+
+    def on_down(url: str) -> None:
+        if previous is not None:
+            previous(url)
+        hook(url)
+
+    state.registry._on_down = on_down
+
+
+def setup_capacity_learning(state: RouterState) -> None:
+    """Saturation guard on ``auto``: capacities learned from the engines' /metrics."""
+    learner = CapacityLearner()
+    state.capacity = learner
+    state.policy.capacities = learner.capacities  # type: ignore[attr-defined]
+    _chain_on_down(state, learner.forget)
+
+
+async def poll_engine_load(state: RouterState, url: str) -> None:
+    """Read ``url``'s running/waiting counts from its /metrics into the learner."""
+    assert state.capacity is not None
+    try:
+        r = await state.client.get(
+            url + "/metrics", timeout=state.settings.health_check_timeout_secs
+        )
+    except httpx.HTTPError:
+        return
+    load = parse_engine_load(r.content) if r.status_code == 200 else None
+    if load is not None:
+        state.capacity.observe(url, *load)
 
 
 def setup_precise(state: RouterState) -> None:
@@ -149,14 +198,7 @@ def setup_precise(state: RouterState) -> None:
     register_kv_event_metrics(state.metrics.registry, tracker, state.subscriber)
     if hasattr(state.policy, "precise"):
         state.policy.precise = PreciseView(tracker)
-    previous = state.registry._on_down
-
-    def on_down(url: str) -> None:
-        if previous is not None:
-            previous(url)
-        tracker.reset(url)
-
-    state.registry._on_down = on_down
+    _chain_on_down(state, tracker.reset)
 
 
 async def health_loop(state: RouterState) -> None:
@@ -172,6 +214,9 @@ async def health_loop(state: RouterState) -> None:
                 state.registry.record_check(url, r.status_code == 200, f"HTTP {r.status_code}")
             except httpx.HTTPError as e:
                 state.registry.record_check(url, False, type(e).__name__)
+                return
+            if state.capacity is not None and r.status_code == 200:
+                await poll_engine_load(state, url)
 
         try:
             await asyncio.gather(*(check(u) for u in urls))

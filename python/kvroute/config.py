@@ -17,6 +17,25 @@ class ConfigError(ValueError):
     """A setting is invalid; the message says which and why."""
 
 
+def parse_worker_capacity(value: str) -> tuple[int | None, bool]:
+    """``--worker-capacity`` as (fixed capacity, learn from the engines): ``auto``
+    learns, ``off`` disables the guard, ``N`` fixes it for every worker."""
+    v = value.strip().lower()
+    if v == "auto":
+        return None, True
+    if v == "off":
+        return None, False
+    try:
+        n = int(v)
+    except ValueError:
+        raise ConfigError(
+            f"--worker-capacity must be 'auto', 'off' or a number >= 1, got {value!r}"
+        ) from None
+    if n < 1:
+        raise ConfigError("--worker-capacity must be >= 1 (or 'off')")
+    return n, False
+
+
 def normalize_worker_url(url: str) -> str:
     """Validate a worker URL (http/https, host, optional port) and strip a trailing '/'."""
     if not isinstance(url, str) or not url:
@@ -66,7 +85,10 @@ class Settings:
     max_body_bytes: int = 32 * 1024 * 1024
     prefix_hash_tokens: int = 256
     bounded_load_factor: float = 1.25
+    # Saturation guard: a fixed capacity for every worker, else (learn_capacity) each
+    # worker's capacity learned from its engine's running/waiting counts.
     worker_capacity: int | None = None
+    learn_capacity: bool = True
     api_key: str | None = None
     admin_api_key: str | None = None
     worker_api_key: str | None = None

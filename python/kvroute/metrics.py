@@ -53,13 +53,22 @@ class _FleetCollector(Collector):
             "Tokens the index predicts each worker caches",
             labels=["worker"],
         )
+        capacity = GaugeMetricFamily(
+            "kvroute_worker_capacity",
+            "Requests a worker runs at once before it queues (fixed or learned; "
+            "absent while unknown)",
+            labels=["worker"],
+        )
         for w in snap["workers"]:
             in_flight.add_metric([w["url"]], w["in_flight"])
             healthy.add_metric([w["url"]], 1 if w["healthy"] else 0)
             cached.add_metric([w["url"]], w["cached_tokens"])
+            if w.get("capacity") is not None:
+                capacity.add_metric([w["url"]], w["capacity"])
         yield in_flight
         yield healthy
         yield cached
+        yield capacity
         stats = snap["index"]
         yield GaugeMetricFamily("kvroute_index_nodes", "Radix tree nodes", value=stats["nodes"])
         yield GaugeMetricFamily(

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from kvroute.config import ConfigError, Settings
+from kvroute.config import ConfigError, Settings, parse_worker_capacity
 from kvroute.policies import POLICY_NAMES
 
 
@@ -48,6 +48,17 @@ def configure(p: argparse.ArgumentParser) -> None:
         type=float,
         default=1.5,
         help="cache_aware: ... and max exceeds this times min",
+    )
+    g.add_argument(
+        "--worker-capacity",
+        default="auto",
+        metavar="auto|off|N",
+        help="cache_aware saturation guard: a cache holder already running as many "
+        "requests as it can is passed over, so a hot prefix grows a second home instead "
+        "of a queue. auto (default): each worker's capacity is learned from its engine's "
+        "/metrics (vLLM/SGLang running and waiting counts, read with each health check) "
+        "once it is seen queueing; N: the engines' max running batch, for every worker; "
+        "off: SGLang's rule alone",
     )
     g.add_argument(
         "--max-tree-size",
@@ -205,7 +216,11 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     fields = Settings.__dataclass_fields__
-    return Settings(**{k: v for k, v in vars(args).items() if k in fields}).validate()
+    values = {k: v for k, v in vars(args).items() if k in fields}
+    values["worker_capacity"], values["learn_capacity"] = parse_worker_capacity(
+        args.worker_capacity
+    )
+    return Settings(**values).validate()
 
 
 def run(args: argparse.Namespace) -> int:

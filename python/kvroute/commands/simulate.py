@@ -32,10 +32,12 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--worker-capacity",
-        type=int,
-        default=None,
-        help="cache_aware saturation guard: in-flight requests at which a cache holder is "
-        "passed over (set it to --max-batch); default: off, SGLang's rule alone",
+        default="auto",
+        metavar="auto|off|N",
+        help="cache_aware saturation guard: a cache holder with this many requests in "
+        "flight is passed over. auto (default, as serve): each worker's capacity is "
+        "learned when it is first seen queueing (here: at once; serve: at its next "
+        "/metrics poll); off: SGLang's rule alone; N: fixed",
     )
 
 
@@ -97,8 +99,10 @@ def build_workload(args: argparse.Namespace) -> list[Any]:
 
 
 def fleet_config(args: argparse.Namespace) -> Any:
+    from kvroute.config import parse_worker_capacity
     from kvroute.sim.fleet import FleetConfig
 
+    capacity, learn = parse_worker_capacity(args.worker_capacity)
     return FleetConfig(
         workers=args.workers,
         capacity_tokens=args.capacity_tokens,
@@ -109,7 +113,8 @@ def fleet_config(args: argparse.Namespace) -> Any:
             max_batch=args.max_batch,
         ),
         max_tree_size=args.max_tree_size,
-        policy_settings={"seed": args.seed, "worker_capacity": args.worker_capacity},
+        policy_settings={"seed": args.seed, "worker_capacity": capacity},
+        learn_capacity=learn,
     )
 
 

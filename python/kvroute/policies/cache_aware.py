@@ -12,13 +12,15 @@ SGLang's rule with its defaults, on token IDs:
 4. The request's tokens are inserted into the index for the chosen worker: the router
    predicts that the worker now caches them.
 
-Saturation guard (kvroute's addition, on when ``worker_capacity`` is set, e.g. to the
-engines' max running batch): a cache holder that already has ``worker_capacity``
-requests in flight would queue this one behind a full batch, which costs more TTFT than
-the prefill it saves. The request then goes to the least-loaded worker below capacity
-(reason ``overflow``), and that worker starts to hold the prefix too, so a hot prefix
-grows a second home instead of a hot spot. With every worker at capacity the rule above
-applies unchanged.
+Saturation guard (kvroute's addition): a cache holder that already has as many
+requests in flight as it can run would queue this one behind a full batch, which costs
+more TTFT than the prefill it saves. The request then goes to the least-loaded worker
+below its capacity (reason ``overflow``), and that worker starts to hold the prefix
+too, so a hot prefix grows a second home instead of a hot spot. With every worker at
+capacity the rule above applies unchanged. Capacities: ``worker_capacity`` for every
+worker when set (the engines' max running batch), else ``capacities`` per worker as
+learned from the engines' own running/waiting counts (``kvroute.engine_load``); a
+worker with no known capacity is never passed over.
 
 Precise mode (``--kv-events``): workers whose KV event stream is trusted are matched
 on what they really cache (``BlockIndex``, whole blocks), the others on the predicted
@@ -63,6 +65,8 @@ class CacheAware(Policy):
         self.balance_abs = balance_abs_threshold
         self.balance_rel = balance_rel_threshold
         self.worker_capacity = worker_capacity
+        # Learned per-worker capacities (used when worker_capacity is None).
+        self.capacities: Mapping[str, int] = {}
         self._ties = TieBreaker()
         self.precise: PreciseSource | None = None
 
@@ -107,12 +111,11 @@ class CacheAware(Policy):
             else:
                 matched = 0
         reason: Reason
-        cap = self.worker_capacity
         if n and healthy and matched / n > self.cache_threshold:
             worker = self._ties.least_loaded(loads, healthy)
             reason = "cache_hit"
-            if cap is not None and loads[worker] >= cap:
-                free = [w for w, load in loads.items() if load < cap]
+            if self._full(worker, loads):
+                free = [w for w in loads if not self._full(w, loads)]
                 if free:
                     worker = self._ties.least_loaded(loads, free)
                     reason = "overflow"
@@ -124,6 +127,12 @@ class CacheAware(Policy):
         if n:
             self.index.insert(worker, tokens)
         return Decision(worker, reason, matched, precise=precise is not None)
+
+    def _full(self, worker: str, loads: Mapping[str, int]) -> bool:
+        cap = self.worker_capacity
+        if cap is None:
+            cap = self.capacities.get(worker)
+        return cap is not None and loads[worker] >= cap
 
     def on_worker_added(self, worker: str) -> None:
         self.index.add_worker(worker)

@@ -32,6 +32,7 @@ from typing import Any, cast
 import numpy as np
 
 from kvroute._native import PrefixIndex
+from kvroute.engine_load import CapacityLearner
 from kvroute.policies.base import Policy, RouteRequest
 from kvroute.sim.cache import Handle, PrefixCache, block_keys_batch
 from kvroute.sim.cost import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_TOKENS, CostModel
@@ -50,6 +51,9 @@ class FleetConfig:
     # The router's --max-tree-size (tokens per worker in its index); None = unbounded.
     max_tree_size: int | None = None
     policy_settings: dict[str, Any] = field(default_factory=dict)
+    # cache_aware learns each worker's capacity when it is first seen queueing (the
+    # router does so at its next /metrics poll; here at once).
+    learn_capacity: bool = False
 
 
 @dataclass(slots=True)
@@ -131,6 +135,9 @@ def simulate(
     names = worker_names(cfg.workers)
     for wname in names:
         pol.on_worker_added(wname)
+    learner = CapacityLearner() if cfg.learn_capacity and hasattr(pol, "capacities") else None
+    if learner is not None:
+        pol.capacities = learner.capacities  # type: ignore[attr-defined]
     widx = {w: i for i, w in enumerate(names)}
     nw = cfg.workers
     caches = [PrefixCache(cfg.capacity_tokens, cfg.block_size) for _ in range(nw)]
@@ -202,6 +209,8 @@ def simulate(
             admit(w, r, now)
         else:
             queues[w].append(r)
+            if learner is not None:
+                learner.observe(decision.worker, running[w], len(queues[w]))
 
     extra: dict[str, Any] = {
         "final_inflight": sum(loads.values()),

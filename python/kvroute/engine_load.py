@@ -1,0 +1,60 @@
+"""Learning each worker's capacity from the load its engine reports.
+
+cache_aware's saturation guard passes over a cache holder that already runs as many
+requests as it can, so a hot prefix grows a second home instead of a queue. It needs
+each worker's capacity: how many requests the engine runs at once before new ones wait
+(vLLM's ``max_num_seqs`` or its KV-cache limit, SGLang's ``max_running_requests``).
+Engines do not publish that number over HTTP, but they do publish their running and
+waiting counts in Prometheus ``/metrics``. A worker seen with requests waiting is
+running all it can, so its running count at that moment is its capacity; the largest
+such count seen is kept (a momentary KV-cache limit may show a smaller one first).
+Until a worker has been seen queueing, it has no capacity and the guard leaves it be:
+that is SGLang's rule, unchanged, for fleets that never saturate.
+"""
+
+from __future__ import annotations
+
+import re
+
+# vLLM and SGLang gauge names for running and waiting requests.
+_GAUGES = re.compile(
+    rb"^(vllm:num_requests_running|vllm:num_requests_waiting|"
+    rb"sglang:num_running_reqs|sglang:num_queue_reqs)(?:\{[^}\n]*\})?[ \t]+(\S+)",
+    re.MULTILINE,
+)
+_RUNNING = (b"vllm:num_requests_running", b"sglang:num_running_reqs")
+
+
+def parse_engine_load(text: bytes) -> tuple[int, int] | None:
+    """(running, waiting) summed over every series of a Prometheus text exposition,
+    or None when it has neither vLLM's nor SGLang's gauges."""
+    running = waiting = 0.0
+    found = False
+    for name, value in _GAUGES.findall(text):
+        try:
+            v = float(value)
+        except ValueError:
+            continue
+        if v != v or v < 0:  # NaN or nonsense
+            continue
+        found = True
+        if name in _RUNNING:
+            running += v
+        else:
+            waiting += v
+    return (int(running), int(waiting)) if found else None
+
+
+class CapacityLearner:
+    """Per-worker capacity learned from (running, waiting) observations."""
+
+    def __init__(self) -> None:
+        self.capacities: dict[str, int] = {}
+
+    def observe(self, worker: str, running: int, waiting: int) -> None:
+        if waiting > 0 and running > 0 and running > self.capacities.get(worker, 0):
+            self.capacities[worker] = running
+
+    def forget(self, worker: str) -> None:
+        """A worker left or restarted: its engine may come back configured otherwise."""
+        self.capacities.pop(worker, None)
