@@ -108,6 +108,9 @@ class RouterState:
     started: float = field(default_factory=time.time)
     events: Any = None  # kvroute.events.EventTracker in precise mode
     subscriber: Any = None
+    # Set by ``kvroute serve`` on SIGTERM: the server stops accepting and, once the grace
+    # period runs out, cancels what is still in flight.
+    draining: bool = False
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -305,14 +308,35 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
 
     # ------------------------------------------------------------- inference
 
+    def shutting_down(kind: str) -> Response:
+        state.metrics.requests.labels(kind, "503").inc()
+        return error_response(
+            503,
+            "the router is shutting down and the request outlived its grace period",
+            "service_unavailable",
+            "shutting_down",
+        )
+
     async def inference(request: Request, kind: str, path: str) -> Response:
         check_api_key(request)
-        await state.admission.acquire()
+        # Past the shutdown grace period uvicorn cancels the request's task; answered here
+        # it becomes a clear 503 instead of uvicorn's bare 500 and a logged traceback.
+        try:
+            await state.admission.acquire()
+        except asyncio.CancelledError:
+            if state.draining:
+                return shutting_down(kind)
+            raise
         try:
             response = await forwarder.forward(request, kind, path)
         except RouterError as e:
             await state.admission.release()
             state.metrics.requests.labels(kind, str(e.status)).inc()
+            raise
+        except asyncio.CancelledError:
+            await state.admission.release()
+            if state.draining:
+                return shutting_down(kind)
             raise
         except BaseException:
             await state.admission.release()

@@ -68,13 +68,24 @@ class ProxyStream(StreamingResponse):
         status_code: int,
         headers: dict[str, str],
         cleanup: Callable[[], Any],
+        draining: Callable[[], bool] = lambda: False,
     ) -> None:
         super().__init__(body, status_code=status_code, headers=headers)
         self._cleanup = cleanup
+        self._draining = draining
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except asyncio.CancelledError:
+            if not self._draining():
+                raise
+            # The shutdown grace period ran out mid-stream: end the stream with an error
+            # event the client can see (after a blank line, in case the last chunk ended
+            # mid-event) rather than a bare cut and a logged traceback.
+            msg = "the router is shutting down and the stream outlived its grace period"
+            event = error_body(msg, "service_unavailable", "shutting_down")
+            await send({"type": "http.response.body", "body": b"\n\ndata: " + event + b"\n\n"})
         finally:
             await self._cleanup()
 
@@ -198,6 +209,7 @@ class Forwarder:
                     upstream.status_code,
                     out_headers,
                     self._closer(upstream, res, kind, t0, upstream.status_code),
+                    lambda: s.draining,
                 )
             try:
                 remaining = deadline - time.monotonic()
