@@ -12,7 +12,7 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
@@ -62,6 +62,7 @@ class Admission:
         self.active = 0
         self.waiting = 0
         self._cond = asyncio.Condition()
+        self.on_reject: Callable[[str], None] = lambda reason: None
 
     async def acquire(self) -> None:
         if self.limit <= 0:
@@ -71,6 +72,7 @@ class Admission:
             self.active += 1
             return
         if self.waiting >= self.queue:
+            self.on_reject("queue_full")
             raise OverloadedError(
                 "router at capacity and its wait queue is full", headers={"Retry-After": "1"}
             )
@@ -82,6 +84,7 @@ class Admission:
                 )
                 self.active += 1
         except TimeoutError:
+            self.on_reject("queue_timeout")
             raise OverloadedError(
                 "timed out waiting for a free slot", headers={"Retry-After": "1"}
             ) from None
@@ -117,6 +120,7 @@ class RouterState:
             "workers": self.workers_json(),
             "index": self.index.stats(),
             "tokenizer": self.tokenizer.cache_stats(),
+            "asyncio_tasks": _task_count(),
         }
 
     def workers_json(self) -> list[dict[str, Any]]:
@@ -135,6 +139,14 @@ class RouterState:
             }
             for w in self.registry.workers.values()
         ]
+
+
+def _task_count() -> int:
+    """Tasks alive on the running loop (a leak shows as growth at steady load); 0 off-loop."""
+    try:
+        return len(asyncio.all_tasks())
+    except RuntimeError:
+        return 0
 
 
 def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) -> RouterState:
@@ -164,6 +176,7 @@ def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) ->
         ),
     )
     state.metrics = RouterMetrics(state.snapshot)
+    state.admission.on_reject = lambda reason: state.metrics.rejected.labels(reason).inc()
     if settings.kv_events:
         setup_precise(state)
     for url in settings.worker_urls:
@@ -323,6 +336,9 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
         # it becomes a clear 503 instead of uvicorn's bare 500 and a logged traceback.
         try:
             await state.admission.acquire()
+        except OverloadedError:
+            state.metrics.requests.labels(kind, "429").inc()
+            raise
         except asyncio.CancelledError:
             if state.draining:
                 return shutting_down(kind)

@@ -178,10 +178,18 @@ class Forwarder:
                 s.metrics.matched_ratio.observe(decision.matched_tokens / len(tokens))
             url = decision.worker + path
             try:
-                upstream = await s.client.send(
-                    s.client.build_request("POST", url, content=body, headers=headers),
-                    stream=True,
-                )
+                # --request-timeout-secs bounds the whole request, the wait for the first
+                # byte included (the first-byte timeout may be the longer of the two).
+                async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
+                    upstream = await s.client.send(
+                        s.client.build_request("POST", url, content=body, headers=headers),
+                        stream=True,
+                    )
+            except TimeoutError:
+                res.release()
+                raise GatewayTimeoutError(
+                    f"no answer within {s.settings.request_timeout_secs:g}s"
+                ) from None
             except RETRYABLE as e:
                 res.release()
                 last_error = self._worker_failed(decision.worker, e)
