@@ -6,10 +6,14 @@ insert). Every 100k requests: process RSS, index memory and the largest worker's
 tokens, which must stay at or under the budget.
 
 Part 2 (router path): the real router process in front of fake workers, fed unique and
-shared prompts for a bounded time; samples the router's RSS, open file descriptors and
-the workers' in-flight counts, and compares start and end.
+shared prompts (half of them streamed) for a bounded time. Every ``--sample-secs`` it
+samples the router's RSS, open file descriptors, TCP sockets (any state), established
+connections towards the workers and from clients (from /proc), its asyncio task count
+(the ``kvroute_asyncio_tasks`` gauge) and the workers' in-flight counts; then once more
+when the load ends and after 15 idle seconds, which must be back at the idle row's level.
 
-Usage: python bench/soak.py [--prompts 1000000] [--router-seconds 60]
+Usage: python bench/soak.py [--prompts 1000000] [--router-seconds 60] [--sample-secs 10]
+(``--prompts 0`` skips part 1)
 """
 
 from __future__ import annotations
@@ -80,30 +84,110 @@ def soak_index(n: int, workers: int, budget: int, prompt_len: int) -> None:
         assert worst <= budget
 
 
-async def drive(url: str, seconds: float, concurrency: int) -> int:
-    sent = 0
-    deadline = time.monotonic() + seconds
+def tcp_connections(pid: int, remote_ports: set[int], local_port: int) -> tuple[int, int, int]:
+    """(established connections from ``pid`` to ``remote_ports``, established
+    connections accepted on ``local_port``, TCP sockets of ``pid`` in any state), from
+    /proc: what the OS holds open."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    upstream = downstream = total = 0
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            next(f)
+            for line in f:
+                cols = line.split()
+                if cols[9] not in inodes:
+                    continue
+                total += 1
+                if cols[3] != "01":  # ESTABLISHED
+                    continue
+                if int(cols[2].rsplit(":", 1)[1], 16) in remote_ports:
+                    upstream += 1
+                elif int(cols[1].rsplit(":", 1)[1], 16) == local_port:
+                    downstream += 1
+    return upstream, downstream, total
+
+
+def gauge(metrics: str, name: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return float("nan")
+
+
+async def drive(url: str, deadline: float, concurrency: int, counts: dict[str, int]) -> None:
     rng = np.random.default_rng(1)
     shared = [f"shared system prompt {g}. " * 60 for g in range(16)]
 
     async def one(client: httpx.AsyncClient) -> None:
-        nonlocal sent
         while time.monotonic() < deadline:
-            if sent % 4 == 0:
-                prompt = shared[sent % 16] + "q"
+            n = counts["sent"]
+            counts["sent"] += 1
+            if n % 4 == 0:
+                prompt = shared[n % 16] + "q"
             else:
                 prompt = " ".join(map(str, rng.integers(0, 10**6, 300)))
-            body = {"prompt": prompt, "max_tokens": 4, "stream": sent % 2 == 0}
-            r = await client.post(url + "/v1/completions", json=body)
-            assert r.status_code == 200, r.text
-            sent += 1
+            body = {"prompt": prompt, "max_tokens": 4, "stream": n % 2 == 0}
+            try:
+                r = await client.post(url + "/v1/completions", json=body)
+                ok = r.status_code == 200 and b"error" not in r.content
+            except httpx.HTTPError:
+                ok = False
+            counts["ok" if ok else "errors"] += 1
 
     async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
         await asyncio.gather(*(one(client) for _ in range(concurrency)))
-    return sent
 
 
-def soak_router(seconds: float, budget: int) -> None:
+async def observe(
+    router: Server, workers: list[Server], seconds: float, every: float, concurrency: int
+) -> None:
+    ports = {int(w.url.rsplit(":", 1)[1]) for w in workers}
+    port = int(router.url.rsplit(":", 1)[1])
+    counts = {"sent": 0, "ok": 0, "errors": 0}
+    t0 = time.monotonic()
+
+    async def row(client: httpx.AsyncClient, label: str) -> None:
+        ws = (await client.get(router.url + "/workers")).json()
+        tasks = gauge((await client.get(router.url + "/metrics")).text, "kvroute_asyncio_tasks")
+        up, down, total = tcp_connections(router.pid, ports, port)
+        print(
+            f"| {label} | {counts['ok']:,} | {counts['errors']} | {rss_mb(router.pid):.0f} | "
+            f"{fds(router.pid)} | {total} | {up} | {down} | {tasks:.0f} | "
+            f"{sum(w['in_flight'] for w in ws)} | {max(w['cached_tokens'] for w in ws):,} |",
+            flush=True,
+        )
+
+    print(
+        "| elapsed (s) | requests ok | errors | router RSS (MB) | open fds | TCP sockets | "
+        "upstream conns | client conns | asyncio tasks | in flight | cached tokens (max worker) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    # The observer has its own client: its one connection shows in "client conns".
+    async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+        await row(client, "0 (idle)")
+        load = asyncio.create_task(drive(router.url, t0 + seconds, concurrency, counts))
+        due = every
+        while not load.done():
+            await asyncio.wait({load}, timeout=max(0.0, t0 + due - time.monotonic()))
+            if not load.done():
+                await row(client, f"{time.monotonic() - t0:.0f}")
+                due += every
+        await load
+        await row(client, f"{time.monotonic() - t0:.0f} (load ended)")
+        # Idle keep-alive connections close after the workers' keep-alive timeout (5 s)
+        # and are reaped by the router's next health check (5 s).
+        await asyncio.sleep(15)
+        await row(client, f"{time.monotonic() - t0:.0f} (idle 15 s)")
+
+
+def soak_router(seconds: float, budget: int, every: float, concurrency: int) -> None:
     servers: list[Server] = []
     with tempfile.TemporaryDirectory() as logs:
         try:
@@ -137,28 +221,13 @@ def soak_router(seconds: float, budget: int) -> None:
                 port,
                 log_dir=logs,
             )
+            workers = list(servers)
             servers.append(router)
             print(
                 f"\n## Router path: unique + shared prompts for {seconds:.0f}s, "
-                f"--max-tree-size {budget:,}\n"
+                f"{concurrency} concurrent clients, --max-tree-size {budget:,}\n"
             )
-            print(
-                "| elapsed (s) | requests | router RSS (MB) | open fds | in flight | "
-                "cached tokens (max worker) |"
-            )
-            print("|---:|---:|---:|---:|---:|---:|")
-            total = 0
-            t0 = time.monotonic()
-            slices = max(1, int(seconds // 10))
-            for _ in range(slices):
-                total += asyncio.run(drive(router.url, seconds / slices, 32))
-                ws = httpx.get(router.url + "/workers").json()
-                print(
-                    f"| {time.monotonic() - t0:.0f} | {total:,} | {rss_mb(router.pid):.0f} | "
-                    f"{fds(router.pid)} | {sum(w['in_flight'] for w in ws)} | "
-                    f"{max(w['cached_tokens'] for w in ws):,} |",
-                    flush=True,
-                )
+            asyncio.run(observe(router, workers, seconds, every, concurrency))
         finally:
             for s in reversed(servers):
                 s.stop()
@@ -173,9 +242,12 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--budget", type=int, default=2_000_000, help="tokens per worker")
     ap.add_argument("--router-seconds", type=float, default=60.0)
+    ap.add_argument("--sample-secs", type=float, default=10.0, help="router phase: row period")
+    ap.add_argument("--concurrency", type=int, default=32, help="router phase: clients")
     args = ap.parse_args()
-    soak_index(args.prompts, args.workers, args.budget, args.prompt_len)
-    soak_router(args.router_seconds, args.budget)
+    if args.prompts > 0:
+        soak_index(args.prompts, args.workers, args.budget, args.prompt_len)
+    soak_router(args.router_seconds, args.budget, args.sample_secs, args.concurrency)
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import httpx
@@ -118,6 +119,7 @@ def test_worker_refusing_at_startup_then_coming_back(
         time.sleep(0.1)
     assert workers_state(router)[revived.url]["healthy"] is True
     assert httpx.post(router.url + "/v1/completions", json={"prompt": "z"}).status_code == 200
+    assert all(w["in_flight"] == 0 for w in settle(router).values())
 
 
 def test_one_worker_killed_under_load_costs_no_request(fleet: Fleet) -> None:
@@ -154,3 +156,80 @@ def test_one_worker_killed_under_load_costs_no_request(fleet: Fleet) -> None:
     assert results.count(200) == len(results) == 90
     assert seen_down is not None and seen_down < 1.0
     assert all(w["in_flight"] == 0 for w in settle(router).values())
+
+
+def test_dead_workers_prefixes_spread_over_survivors_by_load(fleet: Fleet) -> None:
+    """SGLang's router moved every prefix of a dead worker onto one survivor. Here the
+    dead worker's entries are dropped, so its prefix groups arriving together go to the
+    least-loaded survivors (one each), and then stick to their new homes."""
+    router, workers = fleet(4)
+
+    def prompt(g: int, q: int) -> str:
+        return f"group {g} shared system prompt. " * 40 + f"question {q}?"
+
+    home: dict[int, str] = {}
+    with httpx.Client(base_url=router.url, timeout=20) as c:
+        for g in range(12):
+            r = c.post("/v1/completions", json={"prompt": prompt(g, 0)})
+            home[g] = r.headers["x-kvroute-worker"]
+        for g in range(12):  # affinity before the failure
+            assert (
+                c.post("/v1/completions", json={"prompt": prompt(g, 1)}).headers["x-kvroute-worker"]
+                == home[g]
+            )
+    victim = max(workers, key=lambda w: sum(1 for h in home.values() if h == w.url))
+    orphans = [g for g, h in home.items() if h == victim.url]
+    survivors = [w for w in workers if w is not victim]
+    assert len(orphans) >= 2
+    victim.kill()
+    deadline = time.monotonic() + 5
+    while workers_state(router)[victim.url]["healthy"] is not False:
+        assert time.monotonic() < deadline, "the dead worker never left rotation"
+        time.sleep(0.05)
+    assert workers_state(router)[victim.url]["cached_tokens"] == 0, "its prefixes are dropped"
+    for w in survivors:
+        control(w, delay_s=0.5)  # the orphaned groups overlap in flight
+    new_home: dict[int, str] = {}
+    lock = threading.Lock()
+
+    def send(g: int) -> None:
+        r = httpx.post(router.url + "/v1/completions", json={"prompt": prompt(g, 2)}, timeout=20)
+        assert r.status_code == 200
+        with lock:
+            new_home[g] = r.headers["x-kvroute-worker"]
+
+    threads = [threading.Thread(target=send, args=(g,)) for g in orphans]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert sorted(new_home) == sorted(orphans)
+    per_survivor = Counter(new_home.values())
+    assert victim.url not in per_survivor
+    assert len(per_survivor) == min(len(orphans), len(survivors)), per_survivor
+    assert max(per_survivor.values()) <= -(-len(orphans) // len(survivors))
+    with httpx.Client(base_url=router.url, timeout=20) as c:
+        for g in orphans:
+            r = c.post("/v1/completions", json={"prompt": prompt(g, 3)})
+            assert r.headers["x-kvroute-worker"] == new_home[g], "new home keeps the group"
+    assert all(w["in_flight"] == 0 for w in settle(router).values())
+
+
+def test_request_timeout_bounds_the_whole_request(fleet: Fleet) -> None:
+    """--request-timeout-secs: a 504 when the answer is late even though the first-byte
+    timeout is longer, an error event when a stream outlives it; the worker is slow, not
+    dead, so it stays in rotation."""
+    router, workers = fleet(1, "--request-timeout-secs", "1", "--first-byte-timeout-secs", "30")
+    control(workers[0], delay_s=3.0)
+    r = httpx.post(router.url + "/v1/completions", json={"prompt": "late"}, timeout=20)
+    # The worker would answer 200 after 3 s: the 504 is the router's deadline.
+    assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout"
+    control(workers[0], delay_s=0.0, chunks=40, chunk_delay_s=0.1)
+    with httpx.stream(
+        "POST", router.url + "/v1/completions", json={"prompt": "long", "stream": True}, timeout=20
+    ) as s:
+        body = b"".join(s.iter_raw())
+    assert b" t0" in body and b"[DONE]" not in body
+    assert b'"code":"stream_interrupted"' in body
+    ws = settle(router)
+    assert ws[workers[0].url]["healthy"] is True and ws[workers[0].url]["in_flight"] == 0

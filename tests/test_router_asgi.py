@@ -124,6 +124,28 @@ async def test_api_keys() -> None:
         await close()
 
 
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        ({}, "Bearer client-token"),  # no router key: the client's key is for the workers
+        ({"api_key": "client-token"}, None),  # the router's own key never leaves it
+        ({"api_key": "client-token", "worker_api_key": "wk"}, "Bearer wk"),
+    ],
+)
+async def test_authorization_towards_workers(settings: dict[str, Any], expected: str) -> None:
+    calls: list[httpx.Request] = []
+    client, close, _ = await make_client(calls, **settings)
+    try:
+        auth = {"authorization": "Bearer client-token"}
+        r = await client.post("/v1/completions", json={"prompt": "hi"}, headers=auth)
+        assert r.status_code == 200
+        sent = [c for c in calls if c.url.path == "/v1/completions"][-1]
+        assert sent.headers.get("authorization") == expected
+    finally:
+        await client.aclose()
+        await close()
+
+
 async def test_admin_disabled_beyond_loopback_without_key() -> None:
     calls: list[httpx.Request] = []
     client, close, _ = await make_client(calls, host="0.0.0.0")
@@ -170,6 +192,9 @@ async def test_admission_queue_overflow_is_429() -> None:
             assert (await second).status_code == 200
         assert state.admission.active == 0
         assert state.registry.workers[WORKER].in_flight == 0
+        text = state.metrics.render().decode()
+        assert 'kvroute_rejected_total{reason="queue_full"} 1.0' in text
+        assert 'kvroute_requests_total{route="completions",status="429"} 1.0' in text
 
 
 @pytest.mark.parametrize(
@@ -208,3 +233,60 @@ async def test_adding_a_worker_with_kv_events_needs_precise_mode(router: Any) ->
     r = await client.post("/workers", json={"url": "http://w9:1", "kv_events": "tcp://x:1"})
     assert r.status_code == 400
     assert "precise mode is off" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("failing", [2, 3])
+async def test_a_request_never_retries_a_worker_that_failed_it(failing: int) -> None:
+    """Failed workers are revived by a racing health check during the retry backoff (a
+    worker can answer /health and still refuse inference): the request still never goes
+    back to one that failed it; with every worker failing, each is tried once, then 503."""
+    urls = ["http://w1:8000", "http://w2:8000", "http://w3:8000"]
+    attempts: list[str] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        base = f"http://{request.url.host}:{request.url.port}"
+        if request.url.path in ("/health", "/metrics"):  # health round, engine load
+            return httpx.Response(200)
+        attempts.append(base)
+        if urls.index(base) < failing:
+            raise httpx.ConnectError("refused", request=request)
+        return httpx.Response(200, json={"choices": [{"text": "ok"}]})
+
+    app = create_app(
+        Settings(
+            worker_urls=urls,
+            max_retries=5,
+            retry_backoff_secs=0.01,
+            failure_cooldown_secs=0,
+            health_success_threshold=1,
+        ).validate()
+    )
+    async with app.router.lifespan_context(app):
+        state = app.state.router
+        await state.client.aclose()
+        state.client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
+
+        async def revive() -> None:
+            while True:
+                for u in urls:
+                    state.registry.record_check(u, True)
+                await asyncio.sleep(0.001)
+
+        reviver = asyncio.create_task(revive())
+        try:
+            async with httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://r"
+            ) as c:
+                for i in range(8):
+                    attempts.clear()
+                    r = await c.post("/v1/completions", json={"prompt": f"question {i}"})
+                    assert len(attempts) == len(set(attempts)), attempts
+                    if failing < len(urls):
+                        assert r.status_code == 200 and attempts[-1] == urls[-1], attempts
+                    else:
+                        assert r.status_code == 503, r.text
+                        assert r.json()["error"]["code"] == "no_healthy_worker"
+                        assert sorted(attempts) == urls
+        finally:
+            reviver.cancel()
+        assert all(w.in_flight == 0 for w in state.registry.workers.values())

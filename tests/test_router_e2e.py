@@ -160,6 +160,8 @@ def test_models_health_readiness_metrics(fleet: Fleet) -> None:
         "kvroute_matched_token_ratio",
     ):
         assert name in text
+    tasks = [ln for ln in text.splitlines() if ln.startswith("kvroute_asyncio_tasks ")]
+    assert len(tasks) == 1 and float(tasks[0].split()[1]) >= 2, "the scrape and the health loop"
 
 
 def test_dead_worker_request_is_retried_elsewhere(fleet: Fleet) -> None:
@@ -183,6 +185,7 @@ def test_all_workers_down_is_a_clear_503(fleet: Fleet) -> None:
     assert r.status_code == 503
     assert r.json()["error"]["code"] == "no_healthy_worker"
     assert httpx.get(router.url + "/readiness").status_code == 503
+    assert in_flight(router) == {workers[0].url: 0}
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -8,6 +8,7 @@ bound the request gets 429 with ``Retry-After: 1``.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from kvroute.errors import OverloadedError
 
@@ -22,6 +23,8 @@ class Admission:
         self.active = 0
         self.waiting = 0
         self._cond = asyncio.Condition()
+        # Told why a request was turned away ("queue_full", "queue_timeout"): metrics.
+        self.on_reject: Callable[[str], None] = lambda reason: None
 
     async def acquire(self) -> None:
         if self.limit <= 0:
@@ -31,6 +34,7 @@ class Admission:
             self.active += 1
             return
         if self.waiting >= self.queue:
+            self.on_reject("queue_full")
             raise OverloadedError(
                 "router at capacity and its wait queue is full", headers={"Retry-After": "1"}
             )
@@ -42,6 +46,7 @@ class Admission:
                 )
                 self.active += 1
         except TimeoutError:
+            self.on_reject("queue_timeout")
             raise OverloadedError(
                 "timed out waiting for a free slot", headers={"Retry-After": "1"}
             ) from None

@@ -33,6 +33,7 @@ from kvroute.errors import (
     BadRequestError,
     ForbiddenError,
     NotFoundError,
+    OverloadedError,
     RouterError,
     UnauthorizedError,
     error_response,
@@ -70,12 +71,16 @@ class RouterState:
     events: Any = None  # kvroute.events.EventTracker in precise mode
     capacity: CapacityLearner | None = None  # learned worker capacities (guard on auto)
     subscriber: Any = None
+    # Set by ``kvroute serve`` on SIGTERM: the server stops accepting and, once the grace
+    # period runs out, cancels what is still in flight.
+    draining: bool = False
 
     def snapshot(self) -> dict[str, Any]:
         return {
             "workers": self.workers_json(),
             "index": self.index.stats(),
             "tokenizer": self.tokenizer.cache_stats(),
+            "asyncio_tasks": _task_count(),
         }
 
     def workers_json(self) -> list[dict[str, Any]]:
@@ -101,6 +106,14 @@ class RouterState:
         if self.settings.worker_capacity is not None:
             return self.settings.worker_capacity
         return self.capacity.capacities.get(url) if self.capacity is not None else None
+
+
+def _task_count() -> int:
+    """Tasks alive on the running loop (a leak shows as growth at steady load); 0 off-loop."""
+    try:
+        return len(asyncio.all_tasks())
+    except RuntimeError:
+        return 0
 
 
 def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) -> RouterState:
@@ -130,11 +143,9 @@ def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) ->
         ),
     )
     state.metrics = RouterMetrics(state.snapshot)
-    if (
-        settings.learn_capacity
-        and settings.worker_capacity is None
-        and hasattr(policy, "capacities")
-    ):
+    state.admission.on_reject = lambda reason: state.metrics.rejected.labels(reason).inc()
+    learns = settings.learn_capacity and settings.worker_capacity is None
+    if learns and hasattr(policy, "capacities"):
         setup_capacity_learning(state)
     if settings.kv_events:
         setup_precise(state)
@@ -303,14 +314,38 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
 
     # ------------------------------------------------------------- inference
 
+    def shutting_down(kind: str) -> Response:
+        state.metrics.requests.labels(kind, "503").inc()
+        return error_response(
+            503,
+            "the router is shutting down and the request outlived its grace period",
+            "service_unavailable",
+            "shutting_down",
+        )
+
     async def inference(request: Request, kind: str, path: str) -> Response:
         check_api_key(request)
-        await state.admission.acquire()
+        # Past the shutdown grace period uvicorn cancels the request's task; answered here
+        # it becomes a clear 503 instead of uvicorn's bare 500 and a logged traceback.
+        try:
+            await state.admission.acquire()
+        except OverloadedError:
+            state.metrics.requests.labels(kind, "429").inc()
+            raise
+        except asyncio.CancelledError:
+            if state.draining:
+                return shutting_down(kind)
+            raise
         try:
             response = await forwarder.forward(request, kind, path)
         except RouterError as e:
             await state.admission.release()
             state.metrics.requests.labels(kind, str(e.status)).inc()
+            raise
+        except asyncio.CancelledError:
+            await state.admission.release()
+            if state.draining:
+                return shutting_down(kind)
             raise
         except BaseException:
             await state.admission.release()

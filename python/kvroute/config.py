@@ -83,6 +83,7 @@ class Settings:
     max_queued_requests: int = 1024
     queue_timeout_secs: float = 30.0
     max_body_bytes: int = 32 * 1024 * 1024
+    shutdown_grace_secs: float = 30.0
     prefix_hash_tokens: int = 256
     bounded_load_factor: float = 1.25
     # Saturation guard: a fixed capacity for every worker, else (learn_capacity) each
@@ -129,6 +130,8 @@ class Settings:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
         if self.failure_cooldown_secs < 0:
             raise ConfigError("--failure-cooldown-secs must be >= 0")
+        if self.shutdown_grace_secs < 0:
+            raise ConfigError("--shutdown-grace-secs must be >= 0")
         if self.max_retries < 0:
             raise ConfigError("--max-retries must be >= 0")
         if self.health_failure_threshold < 1 or self.health_success_threshold < 1:

@@ -88,6 +88,11 @@ class _FleetCollector(Collector):
             "Segment cache misses of the tokenizer",
             value=tok["misses"],
         )
+        yield GaugeMetricFamily(
+            "kvroute_asyncio_tasks",
+            "asyncio tasks alive in the router's event loop (requests, health checks)",
+            value=snap["asyncio_tasks"],
+        )
 
 
 class RouterMetrics:

@@ -68,13 +68,24 @@ class ProxyStream(StreamingResponse):
         status_code: int,
         headers: dict[str, str],
         cleanup: Callable[[], Any],
+        draining: Callable[[], bool] = lambda: False,
     ) -> None:
         super().__init__(body, status_code=status_code, headers=headers)
         self._cleanup = cleanup
+        self._draining = draining
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except asyncio.CancelledError:
+            if not self._draining():
+                raise
+            # The shutdown grace period ran out mid-stream: end the stream with an error
+            # event the client can see (after a blank line, in case the last chunk ended
+            # mid-event) rather than a bare cut and a logged traceback.
+            msg = "the router is shutting down and the stream outlived its grace period"
+            event = error_body(msg, "service_unavailable", "shutting_down")
+            await send({"type": "http.response.body", "body": b"\n\ndata: " + event + b"\n\n"})
         finally:
             await self._cleanup()
 
@@ -167,10 +178,18 @@ class Forwarder:
                 s.metrics.matched_ratio.observe(decision.matched_tokens / len(tokens))
             url = decision.worker + path
             try:
-                upstream = await s.client.send(
-                    s.client.build_request("POST", url, content=body, headers=headers),
-                    stream=True,
-                )
+                # --request-timeout-secs bounds the whole request, the wait for the first
+                # byte included (the first-byte timeout may be the longer of the two).
+                async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
+                    upstream = await s.client.send(
+                        s.client.build_request("POST", url, content=body, headers=headers),
+                        stream=True,
+                    )
+            except TimeoutError:
+                res.release()
+                raise GatewayTimeoutError(
+                    f"no answer within {s.settings.request_timeout_secs:g}s"
+                ) from None
             except RETRYABLE as e:
                 res.release()
                 last_error = self._worker_failed(decision.worker, e)
@@ -198,6 +217,7 @@ class Forwarder:
                     upstream.status_code,
                     out_headers,
                     self._closer(upstream, res, kind, t0, upstream.status_code),
+                    lambda: s.draining,
                 )
             try:
                 remaining = deadline - time.monotonic()

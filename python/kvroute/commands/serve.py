@@ -5,9 +5,16 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from types import FrameType
+from typing import TYPE_CHECKING
 
 from kvroute.config import ConfigError, Settings, parse_worker_capacity
 from kvroute.policies import POLICY_NAMES
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from kvroute.app import RouterState
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -241,8 +248,6 @@ def run(args: argparse.Namespace) -> int:
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)
     log = logging.getLogger("kvroute")
-    import uvicorn
-
     from kvroute.app import create_app
 
     app = create_app(settings)
@@ -259,7 +264,22 @@ def run(args: argparse.Namespace) -> int:
         settings.policy,
         len(settings.worker_urls),
     )
-    uvicorn.run(
+    serve(app, settings)
+    return 0
+
+
+def serve(app: FastAPI, settings: Settings) -> None:
+    """Run uvicorn, telling the app when SIGTERM/SIGINT starts the drain."""
+    import uvicorn
+
+    state: RouterState = app.state.router
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            state.draining = True
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
@@ -267,6 +287,7 @@ def run(args: argparse.Namespace) -> int:
         http="httptools",
         log_level=settings.log_level if settings.log_level != "info" else "warning",
         access_log=False,
-        timeout_graceful_shutdown=int(args.shutdown_grace_secs),
+        # uvicorn hands this to asyncio.wait_for, which takes fractions of a second too.
+        timeout_graceful_shutdown=settings.shutdown_grace_secs,  # type: ignore[arg-type]
     )
-    return 0
+    DrainingServer(config).run()
