@@ -10,6 +10,10 @@ and answers a fixed chat completion) receive the same load five ways:
 * ``sgl_cache``   SGLang's router (sglang-router 0.3.x, Rust) ``--policy cache_aware``
 * ``vllm_rr``     vLLM's router ``--policy round_robin`` (its cache_aware calls
                   ``/v1/chat/completions/render`` on the workers, which these lack)
+* ``floor``       the smallest proxy on kvroute's stack (uvicorn + one shared stock
+                  httpx.AsyncClient, forwarding in turn, nothing else)
+* ``floor_pools`` the same with kvroute's upstream client (a pool per worker, lean
+                  headers): what kvroute_rr costs above it is kvroute's own logic
 * ``base_cache``, ``base_rr``  optional: the kvroute of ``--baseline-python`` (an
                   earlier build in another virtual environment), to measure a change
                   against its baseline in the same run
@@ -134,6 +138,65 @@ def run_worker(port: int) -> None:
 
     uvicorn.run(
         worker_app,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        loop="uvloop",
+        http="httptools",
+        access_log=False,
+    )
+
+
+def run_floor_proxy(port: int, upstreams: list[str], pools: bool) -> None:
+    """The ``floor`` targets: the least a proxy on kvroute's stack can do (uvicorn with
+    uvloop/httptools, one shared httpx.AsyncClient): forward the body to the workers in
+    turn and relay the answer. No routing, tokenization, metrics or error handling; what
+    kvroute costs above this is its own, what this costs is the stack's. ``pools``: the
+    client kvroute uses (kvroute.upstream: a pool per worker, lean headers), else a
+    stock httpx.AsyncClient."""
+    import itertools
+
+    import httpx
+    import uvicorn
+
+    turn = itertools.cycle(upstreams)
+    client: httpx.AsyncClient | None = None
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        nonlocal client
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    if pools:
+                        from kvroute.upstream import create_client
+
+                        client, _ = create_client(connect_s=5, first_byte_s=60, pool_s=30)
+                    else:
+                        client = httpx.AsyncClient(
+                            limits=httpx.Limits(max_connections=1024), trust_env=False
+                        )
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        assert client is not None
+        chunks, more = [], True
+        while more:
+            msg = await receive()
+            chunks.append(msg.get("body", b""))
+            more = msg.get("more_body", False)
+        r = await client.post(
+            next(turn) + scope["path"],
+            content=b"".join(chunks),
+            headers={"content-type": "application/json"},
+        )
+        headers = [(b"content-type", r.headers.get("content-type", "").encode())]
+        await send({"type": "http.response.start", "status": r.status_code, "headers": headers})
+        await send({"type": "http.response.body", "body": r.content})
+
+    uvicorn.run(
+        app,
         host="127.0.0.1",
         port=port,
         log_level="warning",
@@ -364,6 +427,12 @@ def start_targets(
         return start_server(f"worker-{port}", argv, port, log_dir=log_dir)
 
     def router(name: str, urls: list[str]) -> Any:
+        if name in ("floor", "floor_pools"):
+            port = free_port()
+            argv = [sys.executable, str(Path(__file__).resolve()), "--serve-floor", str(port)]
+            if name == "floor_pools":
+                argv.append("--floor-pools")
+            return start_server(name, [*argv, *urls], port, log_dir=log_dir)
         if name in KVROUTE_TARGETS:
             port = free_port()
             policy = "cache_aware" if name.endswith("_cache") else "round_robin"
@@ -384,7 +453,8 @@ def start_targets(
             return None
         return start_peer(peer, ROOT, urls, policy=policy, log_dir=log_dir)
 
-    unknown = set(names) - {"direct", *KVROUTE_TARGETS, "sgl_cache", "vllm_rr"}
+    floors = {"floor", "floor_pools"}
+    unknown = set(names) - {"direct", *floors, *KVROUTE_TARGETS, "sgl_cache", "vllm_rr"}
     if unknown:
         raise SystemExit(f"unknown target(s): {sorted(unknown)}")
 
@@ -533,7 +603,7 @@ def main() -> int:
     ap.add_argument(
         "--targets",
         nargs="+",
-        default=["direct", "kv_cache", "kv_rr", "sgl_cache", "vllm_rr"],
+        default=["direct", "floor", "floor_pools", "kv_cache", "kv_rr", "sgl_cache", "vllm_rr"],
     )
     ap.add_argument("--profile", type=float, default=0.0, metavar="SECONDS",
                     help="afterwards, py-spy kvroute cache_aware for this long")  # fmt: skip
@@ -545,10 +615,17 @@ def main() -> int:
     )
     ap.add_argument("--log-dir", default="/tmp/router_overhead_logs")
     ap.add_argument("--serve-worker", type=int, default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    ap.add_argument("--serve-floor", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--floor-pools", action="store_true", help=argparse.SUPPRESS)
+    args, rest = ap.parse_known_args()
     if args.serve_worker is not None:
         run_worker(args.serve_worker)
         return 0
+    if args.serve_floor is not None:
+        run_floor_proxy(args.serve_floor, rest, args.floor_pools)
+        return 0
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     n = args.requests or (300 if args.quick else 1000)
     rounds = args.rounds or (1 if args.quick else 2)
 
