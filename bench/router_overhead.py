@@ -559,7 +559,7 @@ def summarize_profile(raw: str) -> None:
     print(f"\ncollapsed stacks (flamegraph.pl input): {raw}")
 
 
-def profile_kvroute(pool: LoadPool, server: Any, seconds: float, conc: int) -> None:
+def profile_kvroute(pool: LoadPool, name: str, server: Any, seconds: float, conc: int) -> None:
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not os.path.exists(spy):
         print("py-spy not installed: .venv/bin/pip install py-spy", file=sys.stderr)
@@ -579,7 +579,7 @@ def profile_kvroute(pool: LoadPool, server: Any, seconds: float, conc: int) -> N
         return
     wall = res.last_end - res.first_start
     print(
-        f"\n### py-spy of kvroute cache_aware ({conc} connections, "
+        f"\n### py-spy of {name} ({conc} connections, "
         f"{len(res.latencies) / wall:.0f} req/s, {(cpu1 - cpu0) / wall:.2f} cores, "
         f"{1e6 * (cpu1 - cpu0) / max(len(res.latencies), 1):.0f} µs CPU/req while sampled)\n"
     )
@@ -606,7 +606,7 @@ def main() -> int:
         default=["direct", "floor", "floor_pools", "kv_cache", "kv_rr", "sgl_cache", "vllm_rr"],
     )
     ap.add_argument("--profile", type=float, default=0.0, metavar="SECONDS",
-                    help="afterwards, py-spy kvroute cache_aware for this long")  # fmt: skip
+                    help="afterwards, py-spy kv_cache (else kv_rr) for this long")  # fmt: skip
     ap.add_argument(
         "--baseline-python",
         default=None,
@@ -717,8 +717,9 @@ def main() -> int:
                     f"| {d50} | {d99} | {cpu} | {cores} "
                     f"| {100 * c.client_cpu_s / c.wall_s:.0f} | {c.errors} |"
                 )
-        if args.profile > 0 and "kv_cache" in targets:
-            profile_kvroute(pool, targets["kv_cache"], args.profile, args.concurrency[0])
+        profiled = next((t for t in ("kv_cache", "kv_rr") if t in targets), None)
+        if args.profile > 0 and profiled is not None:
+            profile_kvroute(pool, profiled, targets[profiled], args.profile, args.concurrency[0])
     finally:
         pool.close()
         for s in reversed(servers):

@@ -60,7 +60,7 @@ async def test_one_pool_per_worker_and_drop(two_servers: tuple[list[bytes], list
         # Every sub-pool of a worker was used in turn and kept its connection alive.
         for shards in pools._pools.values():
             assert shards.next == 0
-            assert all(len(p._pool.connections) == 1 for p in shards.pools)
+            assert all(p is not None and len(p._pool.connections) == 1 for p in shards.pools)
         await pools.drop(urls[0] + "/")
         assert len(pools) == 1
         await pools.drop("http://127.0.0.1:1")  # unknown: nothing happens

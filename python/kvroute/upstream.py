@@ -19,8 +19,9 @@ import httpx
 MAX_CONNECTIONS_PER_WORKER = 1024
 MAX_KEEPALIVE_PER_WORKER = 256
 KEEPALIVE_EXPIRY_SECS = 30.0
-# Sub-pools per worker: the pool walk costs O(connections / SHARDS) per request.
-SHARDS = 4
+# Sub-pools per worker (each created on first use): the pool walk costs
+# O(connections / SHARDS) per request.
+SHARDS = 8
 # Of the headers httpx adds to every request, keep only a user agent: fewer headers to
 # validate and write, and without Accept-Encoding answers come back as they are.
 DEFAULT_HEADERS = {"user-agent": "kvroute"}
@@ -30,9 +31,14 @@ DROPPED_HEADERS = ("accept", "accept-encoding", "connection")
 class _Shards:
     __slots__ = ("next", "pools")
 
-    def __init__(self, limits: httpx.Limits) -> None:
-        self.pools = [httpx.AsyncHTTPTransport(limits=limits) for _ in range(SHARDS)]
+    def __init__(self) -> None:
+        self.pools: list[httpx.AsyncHTTPTransport | None] = [None] * SHARDS
         self.next = 0
+
+    async def aclose(self) -> None:
+        for pool in self.pools:
+            if pool is not None:
+                await pool.aclose()
 
 
 class PerWorkerPools(httpx.AsyncBaseTransport):
@@ -54,24 +60,25 @@ class PerWorkerPools(httpx.AsyncBaseTransport):
         key = (url.raw_scheme, url.raw_host, url.port)
         shards = self._pools.get(key)
         if shards is None:
-            shards = self._pools[key] = _Shards(self._limits)
+            shards = self._pools[key] = _Shards()
         i = shards.next
         shards.next = (i + 1) % SHARDS
-        return await shards.pools[i].handle_async_request(request)
+        pool = shards.pools[i]
+        if pool is None:
+            pool = shards.pools[i] = httpx.AsyncHTTPTransport(limits=self._limits)
+        return await pool.handle_async_request(request)
 
     async def drop(self, base_url: str) -> None:
         """Close the pool of a worker that left the fleet (its idle connections go)."""
         url = httpx.URL(base_url)
         shards = self._pools.pop((url.raw_scheme, url.raw_host, url.port), None)
         if shards is not None:
-            for pool in shards.pools:
-                await pool.aclose()
+            await shards.aclose()
 
     async def aclose(self) -> None:
         every, self._pools = list(self._pools.values()), {}
         for shards in every:
-            for pool in shards.pools:
-                await pool.aclose()
+            await shards.aclose()
 
 
 def create_client(
