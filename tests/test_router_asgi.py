@@ -290,3 +290,19 @@ async def test_a_request_never_retries_a_worker_that_failed_it(failing: int) -> 
         finally:
             reviver.cancel()
         assert all(w.in_flight == 0 for w in state.registry.workers.values())
+
+
+async def test_request_id_reaches_worker_and_answer(router: Any) -> None:
+    client, calls, _ = router
+    body = {"prompt": "hello"}
+    r = await client.post("/v1/completions", json=body, headers={"x-request-id": "req-42"})
+    assert r.headers["x-request-id"] == "req-42"
+    assert calls[-1].headers["x-request-id"] == "req-42"
+    # None given, or one that is not a sane token: a fresh ID, the same on both sides.
+    seen = set()
+    for given in ({}, {"x-request-id": "bad id\twith spaces"}, {"x-request-id": "x" * 200}):
+        r = await client.post("/v1/completions", json=body, headers=given)
+        rid = r.headers["x-request-id"]
+        assert len(rid) == 24 and rid == calls[-1].headers["x-request-id"]
+        seen.add(rid)
+    assert len(seen) == 3

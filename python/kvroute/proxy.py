@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -57,6 +58,7 @@ RETRYABLE = (
 )
 PASS_HEADERS = ("content-type", "cache-control")
 CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 
 
 class ProxyStream(StreamingResponse):
@@ -131,10 +133,13 @@ class Forwarder:
 
     def _headers(self, request: Request) -> dict[str, str]:
         out = {"content-type": "application/json"}
-        for h in ("accept", "x-request-id"):
-            v = request.headers.get(h)
-            if v:
-                out[h] = v
+        accept = request.headers.get("accept")
+        if accept:
+            out["accept"] = accept
+        # One ID follows the request through the logs, the worker and the answer: the
+        # client's own when it is a sane token, else a fresh one.
+        rid = request.headers.get("x-request-id", "")
+        out["x-request-id"] = rid if REQUEST_ID_RE.fullmatch(rid) else os.urandom(12).hex()
         settings = self.s.settings
         if settings.worker_api_key:
             out["authorization"] = f"Bearer {settings.worker_api_key}"
@@ -158,6 +163,7 @@ class Forwarder:
             tokens = ()
         route_req = RouteRequest(tokens=tokens, session_key=session_key(request, obj))
         headers = self._headers(request)
+        rid = headers["x-request-id"]
         tried: set[str] = set()
         last_error = "no healthy worker"
         deadline = time.monotonic() + s.settings.request_timeout_secs
@@ -176,6 +182,18 @@ class Forwarder:
             s.metrics.decisions.labels(s.policy.name, decision.reason, source).inc()
             if s.policy.name == "cache_aware":
                 s.metrics.matched_ratio.observe(decision.matched_tokens / len(tokens))
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "%s %s -> %s (%s, %s, matched %d of %d tokens, attempt %d)",
+                    rid,
+                    kind,
+                    decision.worker,
+                    decision.reason,
+                    source,
+                    decision.matched_tokens,
+                    len(tokens),
+                    attempt + 1,
+                )
             url = decision.worker + path
             try:
                 # --request-timeout-secs bounds the whole request, the wait for the first
@@ -192,7 +210,7 @@ class Forwarder:
                 ) from None
             except RETRYABLE as e:
                 res.release()
-                last_error = self._worker_failed(decision.worker, e)
+                last_error = self._worker_failed(decision.worker, e, rid)
                 tried.add(decision.worker)
                 await self._backoff(attempt)
                 continue
@@ -209,10 +227,11 @@ class Forwarder:
             s.metrics.ttfb.labels(kind).observe(ttfb)
             out_headers = {h: upstream.headers[h] for h in PASS_HEADERS if h in upstream.headers}
             out_headers["x-kvroute-worker"] = decision.worker
+            out_headers["x-request-id"] = rid
             if stream and upstream.status_code == 200:
                 return ProxyStream(
                     self._relay(
-                        upstream, decision.worker, kind, deadline, decision.matched_tokens, source
+                        upstream, decision.worker, rid, deadline, decision.matched_tokens, source
                     ),
                     upstream.status_code,
                     out_headers,
@@ -228,7 +247,7 @@ class Forwarder:
                     f"the worker did not finish within {s.settings.request_timeout_secs:g}s"
                 ) from None
             except RETRYABLE as e:
-                last_error = self._worker_failed(decision.worker, e)
+                last_error = self._worker_failed(decision.worker, e, rid)
                 tried.add(decision.worker)
                 await self._backoff(attempt)
                 continue
@@ -248,8 +267,9 @@ class Forwarder:
             self.s.metrics.predicted_cached.labels(source).inc(predicted)
             self.s.metrics.reported_cached.labels(source).inc(int(m.group(1)))
 
-    def _worker_failed(self, worker: str, e: BaseException) -> str:
+    def _worker_failed(self, worker: str, e: BaseException, rid: str) -> str:
         kind = type(e).__name__
+        log.warning("%s: %s failed before the first byte (%s)", rid, worker, kind)
         self.s.metrics.worker_failures.labels(worker, kind).inc()
         self.s.metrics.retries.labels(kind).inc()
         self.s.registry.mark_down(worker, f"{kind} before the first byte", passive=True)
@@ -280,7 +300,7 @@ class Forwarder:
         self,
         upstream: httpx.Response,
         worker: str,
-        kind: str,
+        rid: str,
         deadline: float,
         predicted: int,
         source: str,
@@ -296,7 +316,7 @@ class Forwarder:
         except (httpx.HTTPError, TimeoutError) as e:
             # Bytes already reached the client: no retry. Tell it in-band and end.
             name = type(e).__name__
-            log.warning("stream from %s broke: %s", worker, name)
+            log.warning("%s: stream from %s broke: %s", rid, worker, name)
             self.s.metrics.worker_failures.labels(worker, f"stream_{name}").inc()
             if not isinstance(e, TimeoutError):
                 self.s.registry.mark_down(worker, f"{name} mid-stream", passive=True)
