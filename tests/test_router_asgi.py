@@ -306,3 +306,28 @@ async def test_request_id_reaches_worker_and_answer(router: Any) -> None:
         assert len(rid) == 24 and rid == calls[-1].headers["x-request-id"]
         seen.add(rid)
     assert len(seen) == 3
+
+
+async def test_status_page(router: Any) -> None:
+    client, _, _ = router
+    for _ in range(3):
+        assert (await client.post("/v1/completions", json={"prompt": "hi there"})).is_success
+    r = await client.get("/status")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    page = r.text
+    assert WORKER in page and "1 of 1 workers up" in page
+    # Three decisions, spread over the reasons the policy gave.
+    assert "<td>cache_miss</td><td>1</td>" in page and "<td>cache_hit</td><td>2</td>" in page
+    assert "tokenizer segment cache" in page
+
+
+async def test_status_page_needs_the_api_key() -> None:
+    calls: list[httpx.Request] = []
+    client, close, _ = await make_client(calls, api_key="sekret")
+    try:
+        assert (await client.get("/status")).status_code == 401
+        ok = await client.get("/status", headers={"authorization": "Bearer sekret"})
+        assert ok.status_code == 200
+    finally:
+        await client.aclose()
+        await close()

@@ -22,7 +22,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from kvroute import __version__
 from kvroute._native import PrefixIndex
@@ -42,6 +42,8 @@ from kvroute.fastpath import RouterApp
 from kvroute.metrics import RouterMetrics
 from kvroute.policies import Policy, create_policy
 from kvroute.proxy import Forwarder, ProxyStream, parse_object, read_body
+from kvroute.status import counter_totals
+from kvroute.status import render as render_status
 from kvroute.tokenization import PromptTokenizer
 from kvroute.upstream import PerWorkerPools, create_client
 from kvroute.workers import Registry
@@ -415,6 +417,20 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/status")
+    async def status(request: Request) -> Response:
+        check_api_key(request)
+        m = state.metrics
+        page = render_status(
+            policy=state.policy.name,
+            started=state.started,
+            snapshot=state.snapshot(),
+            decisions=counter_totals(m.decisions, "reason"),
+            predicted=sum(counter_totals(m.predicted_cached, "source").values()),
+            reported=sum(counter_totals(m.reported_cached, "source").values()),
+        )
+        return HTMLResponse(page)
 
     @app.get("/workers")
     async def list_workers(request: Request) -> Response:
