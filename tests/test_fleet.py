@@ -210,3 +210,25 @@ def test_simulator_agrees_with_http_workers(policy: str, tmp_path: Path) -> None
     assert assigned == row.extra["assigned"]
     assert cached == row.extra["cached"]
     assert sum(cached) > 0
+
+
+def test_precise_mode_routes_on_what_caches_hold(capsys: pytest.CaptureFixture[str]) -> None:
+    """The router's index remembers one prompt per worker, the engines hold everything:
+    approximate routing forgets groups the engines still cache, precise mode (the caches'
+    events) does not, so it reaches the upper bound."""
+    reqs = small_gsp(groups=4, prompts_per_group=4)
+    for i, r in enumerate(reqs):
+        r.arrival_s = 100.0 * i  # one at a time: only the cache state differs
+    prep = prepare(reqs, 16)
+    cfg = FleetConfig(workers=2, capacity_tokens=1_000_000, max_tree_size=600)
+    approx = simulate(prep, "cache_aware", cfg)
+    precise = simulate(prep, "cache_aware+events", cfg)
+    assert precise.name == "cache_aware+events"
+    assert precise.hit_rate == pytest.approx(upper_bound(prep))
+    assert approx.hit_rate < precise.hit_rate
+
+    assert main(["simulate", "--workload", "gsp", "--groups", "4", "--prompts-per-group",
+                 "4", "--workers", "2", "--policies", "cache_aware+events"]) == 0  # fmt: skip
+    assert "| cache_aware+events |" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="precise mode"):
+        simulate(prep, "round_robin+events", cfg)

@@ -47,7 +47,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--policies",
         default="cache_aware,round_robin",
-        help="comma-separated policy names (default: cache_aware,round_robin)",
+        help="comma-separated policy names (default: cache_aware,round_robin); "
+        "cache_aware+events: precise mode, routed on the simulated caches' KV events",
     )
     add_fleet_args(p)
     g = p.add_argument_group("workload shape")
@@ -125,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--policies is empty")
         from kvroute.policies import POLICY_NAMES
 
-        unknown = [p for p in policies if p not in POLICY_NAMES]
+        unknown = [p for p in policies if p.removesuffix("+events") not in POLICY_NAMES]
         if unknown:
             raise ValueError(f"unknown policy {unknown[0]!r}; one of {', '.join(POLICY_NAMES)}")
         cfg = fleet_config(args)

@@ -15,6 +15,12 @@ instead of sleeps:
   number running on the worker when it was admitted (decode batching, approximated);
 * completion unpins the blocks, releases the load and admits the next waiting request.
 
+Precise mode: a policy written ``cache_aware+events`` gets a ``BlockIndex`` that every
+worker's cache reports into as it stores, evicts and clears blocks (the events the sim
+worker publishes, applied at once: no wire, no loss, no delay), and routes on it as the
+router does with ``--kv-events`` and every worker ``precise``. The HTTP benchmark shows
+the delay: a block is known only once its event crossed ZMQ.
+
 Block keys are computed once per request (``prepare``) and reused by every policy run.
 The upper bound is one infinite cache shared by the whole fleet: the leading blocks of
 each prompt already seen in an earlier prompt, over all prompt tokens.
@@ -31,7 +37,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from kvroute._native import PrefixIndex
+from kvroute._native import BlockIndex, PrefixIndex
 from kvroute.policies.base import Policy, RouteRequest
 from kvroute.sim.cache import Handle, PrefixCache, block_keys_batch
 from kvroute.sim.cost import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_TOKENS, CostModel
@@ -39,6 +45,35 @@ from kvroute.sim.report import ResultRow, summarize
 from kvroute.sim.workloads import Request
 
 PolicyFactory = Callable[[PrefixIndex], Policy]
+EVENTS_SUFFIX = "+events"
+
+
+class InstantEvents:
+    """Precise mode in virtual time: caches report straight into a ``BlockIndex``; every
+    worker is trusted (the ``PreciseSource`` the policy asks)."""
+
+    def __init__(self, workers: Sequence[str]) -> None:
+        self.index = BlockIndex()
+        self.trusted = set(workers)
+
+    def match(self, tokens: Sequence[int]) -> tuple[dict[str, int], set[str]]:
+        return self.index.match(tokens), self.trusted
+
+    def cache(self, worker: str, capacity_tokens: int, block_size: int) -> PrefixCache:
+        index = self.index
+
+        def stored(hashes: list[int], parent: int | None, ids: list[int], bs: int) -> None:
+            index.stored(worker, parent, hashes, ids, bs)
+
+        def removed(hashes: list[int]) -> None:
+            index.removed(worker, hashes)
+
+        def cleared() -> None:
+            index.clear_worker(worker)
+
+        return PrefixCache(
+            capacity_tokens, block_size, on_store=stored, on_remove=removed, on_clear=cleared
+        )
 
 
 @dataclass(slots=True)
@@ -104,7 +139,7 @@ def _factory(policy: str | PolicyFactory, cfg: FleetConfig) -> tuple[str, Policy
         return getattr(policy, "name", "custom"), policy
     from kvroute.policies import create_policy
 
-    name = policy
+    name = policy.removesuffix(EVENTS_SUFFIX)
     settings = dict(cfg.policy_settings)
     settings.setdefault("seed", 0)
     return name, lambda index: create_policy(name, index, **settings)
@@ -133,7 +168,16 @@ def simulate(
         pol.on_worker_added(wname)
     widx = {w: i for i, w in enumerate(names)}
     nw = cfg.workers
-    caches = [PrefixCache(cfg.capacity_tokens, cfg.block_size) for _ in range(nw)]
+    events: InstantEvents | None = None
+    if isinstance(policy, str) and policy.endswith(EVENTS_SUFFIX):
+        if not hasattr(pol, "precise"):
+            raise ValueError(f"{pname}: only cache_aware has a precise mode")
+        events = InstantEvents(names)
+        pol.precise = events
+        pname = policy
+        caches = [events.cache(w, cfg.capacity_tokens, cfg.block_size) for w in names]
+    else:
+        caches = [PrefixCache(cfg.capacity_tokens, cfg.block_size) for _ in range(nw)]
     cost = cfg.cost
     max_batch = cost.max_batch
     loads: dict[str, int] = dict.fromkeys(names, 0)
@@ -161,7 +205,9 @@ def simulate(
         nonlocal cached_total
         req = reqs[r]
         n = len(req.tokens)
-        cached, handle = caches[w].admit_keys(keys[r].tolist(), n)
+        cached, handle = caches[w].admit_keys(
+            keys[r].tolist(), n, req.tokens if events is not None else None
+        )
         handles[r] = handle
         cached_total += cached
         if record:
