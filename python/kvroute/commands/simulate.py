@@ -31,6 +31,13 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--no-output-blocks",
+        dest="output_blocks",
+        action="store_false",
+        help="generated tokens take no KV cache blocks (vLLM caches them; this is for "
+        "measuring what they change)",
+    )
+    p.add_argument(
         "--worker-capacity",
         type=int,
         default=None,
@@ -111,6 +118,7 @@ def fleet_config(args: argparse.Namespace) -> Any:
         ),
         max_tree_size=args.max_tree_size,
         policy_settings={"seed": args.seed, "worker_capacity": args.worker_capacity},
+        output_blocks=args.output_blocks,
     )
 
 

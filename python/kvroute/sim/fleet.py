@@ -13,6 +13,9 @@ instead of sleeps:
   which takes ``cost.prefill_s(uncached)``; its first token is out at the end of it;
 * the remaining tokens come at ``cost.decode_interval_s(batch)`` where ``batch`` is the
   number running on the worker when it was admitted (decode batching, approximated);
+* each time the sequence (prompt + output) fills a block, an event stores and pins it
+  (``PrefixCache.grow``), evicting as admission does: generated tokens take capacity
+  from cached prompts as in vLLM (``FleetConfig.output_blocks``, on by default);
 * completion unpins the blocks, releases the load and admits the next waiting request.
 
 Precise mode: a policy written ``cache_aware+events`` gets a ``BlockIndex`` that every
@@ -21,7 +24,8 @@ worker publishes, applied at once: no wire, no loss, no delay), and routes on it
 router does with ``--kv-events`` and every worker ``precise``. The HTTP benchmark shows
 the delay: a block is known only once its event crossed ZMQ.
 
-Block keys are computed once per request (``prepare``) and reused by every policy run.
+Block keys of every request's whole sequence (prompt, then the output the simulated
+engine generates) are computed once (``prepare``) and reused by every policy run.
 The upper bound is one infinite cache shared by the whole fleet: the leading blocks of
 each prompt already seen in an earlier prompt, over all prompt tokens.
 """
@@ -39,7 +43,7 @@ import numpy as np
 
 from kvroute._native import BlockIndex, PrefixIndex
 from kvroute.policies.base import Policy, RouteRequest
-from kvroute.sim.cache import Handle, PrefixCache, block_keys_batch
+from kvroute.sim.cache import Handle, PrefixCache, block_keys_batch, sequence
 from kvroute.sim.cost import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_TOKENS, CostModel
 from kvroute.sim.report import ResultRow, summarize
 from kvroute.sim.workloads import Request
@@ -85,11 +89,14 @@ class FleetConfig:
     # The router's --max-tree-size (tokens per worker in its index); None = unbounded.
     max_tree_size: int | None = None
     policy_settings: dict[str, Any] = field(default_factory=dict)
+    # Generated tokens take cache blocks (vLLM); off: only prompts are cached.
+    output_blocks: bool = True
 
 
 @dataclass(slots=True)
 class Prepared:
-    """A workload sorted by arrival, with each prompt's block keys computed once."""
+    """A workload sorted by arrival, with the block keys of each request's sequence
+    (``cache.sequence``: prompt, then output) computed once; the prompt's come first."""
 
     requests: list[Request]
     keys: list[np.ndarray]
@@ -100,9 +107,15 @@ class Prepared:
         return sum(len(r.tokens) for r in self.requests)
 
 
-def prepare(requests: Sequence[Request], block_size: int = DEFAULT_BLOCK_SIZE) -> Prepared:
+def prepare(
+    requests: Sequence[Request], block_size: int = DEFAULT_BLOCK_SIZE, chunk: int = 1024
+) -> Prepared:
     reqs = sorted(requests, key=lambda r: r.arrival_s)
-    return Prepared(reqs, block_keys_batch([r.tokens for r in reqs], block_size), block_size)
+    keys: list[np.ndarray] = []
+    for i in range(0, len(reqs), chunk):  # sequences built a chunk at a time (memory)
+        seqs = [sequence(r.tokens, r.output_len) for r in reqs[i : i + chunk]]
+        keys += block_keys_batch(seqs, block_size)
+    return Prepared(reqs, keys, block_size)
 
 
 def upper_bound(prep: Prepared) -> float:
@@ -118,6 +131,7 @@ def upper_bound(prep: Prepared) -> float:
     for req, keys in zip(prep.requests, prep.keys, strict=True):
         n = len(req.tokens)
         total += n
+        keys = keys[: n // bs]  # the prompt's blocks
         lo, hi = 0, len(keys)  # keys[:lo] seen, keys[hi:] not seen
         while lo < hi:
             mid = (lo + hi) // 2
@@ -196,18 +210,38 @@ def simulate(
     e2e = [0.0] * nreq
     cached_total = 0
     cached_per: list[int] = [0] * nreq if record else []
-    heap: list[tuple[float, int, int]] = []  # (time, request, worker)
+    # (time, request, worker): the request's next block fill, or its completion.
+    heap: list[tuple[float, int, int]] = []
+    first_at = [0.0] * nreq
+    interval = [0.0] * nreq
+    done_at = [0.0] * nreq
     select = pol.select
     decision_ns = 0
     perf = time.perf_counter_ns
+    output_blocks = cfg.output_blocks
+    bs = cfg.block_size
+
+    def schedule(r: int, w: int) -> None:
+        """Push the request's next event: its next block fill, if before completion."""
+        h = handles[r]
+        fill = caches[w].next_fill(h) if h is not None else None
+        if fill is not None:
+            # The KV of output token k is computed when token k + 1 comes out.
+            t = first_at[r] + (fill - len(reqs[r].tokens)) * interval[r]
+            if t < done_at[r]:
+                heapq.heappush(heap, (t, r, w))
+                return
+        heapq.heappush(heap, (done_at[r], r, w))
 
     def admit(w: int, r: int, now: float) -> None:
         nonlocal cached_total
         req = reqs[r]
         n = len(req.tokens)
-        cached, handle = caches[w].admit_keys(
-            keys[r].tolist(), n, req.tokens if events is not None else None
-        )
+        rkeys = keys[r] if output_blocks else keys[r][: n // bs]
+        seq = None
+        if events is not None:
+            seq = sequence(req.tokens, req.output_len if output_blocks else 1)
+        cached, handle = caches[w].admit_keys(rkeys.tolist(), n, seq)
         handles[r] = handle
         cached_total += cached
         if record:
@@ -216,10 +250,13 @@ def simulate(
         start = prefill_free[w] if prefill_free[w] > now else now
         first = start + cost.prefill_s(n - cached)
         prefill_free[w] = first
+        first_at[r] = first
+        interval[r] = cost.decode_interval_s(running[w])
         done = first + cost.decode_s(req.output_len, running[w])
+        done_at[r] = done
         ttft[r] = first - req.arrival_s
         e2e[r] = done - req.arrival_s
-        heapq.heappush(heap, (done, r, w))
+        schedule(r, w)
 
     nxt = 0
     while nxt < nreq or heap:
@@ -227,6 +264,13 @@ def simulate(
             now, r, w = heapq.heappop(heap)
             h = handles[r]
             if h is not None:
+                n = len(reqs[r].tokens)
+                if now < done_at[r]:
+                    fill = caches[w].next_fill(h)
+                    caches[w].grow(h, fill if fill is not None else n)
+                    schedule(r, w)
+                    continue
+                caches[w].grow(h, n + reqs[r].output_len - 1)
                 caches[w].release(h)
                 handles[r] = None
             running[w] -= 1
