@@ -144,3 +144,23 @@ fn workers_with_different_block_sizes() {
     idx.remove_worker("a");
     assert_eq!(idx.match_all(&t), vec![("b".into(), 32)]);
 }
+
+#[test]
+fn holders_spill_to_the_heap_and_back_to_empty() {
+    let mut h = Holders::default();
+    for id in 0..6 {
+        h.push(id);
+    }
+    assert!(matches!(h, Holders::Heap(_)));
+    assert_eq!(h.as_slice(), &[0, 1, 2, 3, 4, 5]);
+    assert!(!h.remove(3));
+    assert_eq!(h.as_slice(), &[0, 1, 2, 4, 5]);
+    let mut small = Holders::default();
+    small.push(7);
+    small.push(8);
+    small.push(9);
+    assert!(!small.remove(8) && !small.remove(42));
+    assert_eq!(small.as_slice(), &[7, 9]);
+    assert!(!small.remove(7));
+    assert!(small.remove(9), "empty once the last holder goes");
+}
