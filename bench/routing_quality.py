@@ -6,9 +6,17 @@ reports hit rate (from the workers' own cached_tokens), TTFT p50/p90/p99, end-to
 p50/p99, throughput and max/mean requests per worker, plus the workload's upper bound.
 Output: a Markdown table, ``--json FILE``, and ``--plot FILE.png`` (TTFT CDF per router).
 
+A policy written ``POLICY+events`` (e.g. ``cache_aware+events``) runs kvroute in precise
+mode: the workers then publish KV events and the router gets ``--kv-events`` for each.
+``--time-scale S`` runs the workers S times faster than real time; reported times are
+model seconds (client wall time x S).
+
 Usage:
     python bench/routing_quality.py --workload gsp --groups 16 --prompts-per-group 8 \\
         --workers 4 --rate 6 --policies cache_aware,round_robin --peers --plot ttft.png
+    python bench/routing_quality.py --workload llmd --workers 4 --rate 8 --time-scale 2 \\
+        --capacity-tokens 308000 --kvroute-args '--max-tree-size 308000' \\
+        --policies round_robin,cache_aware,cache_aware+events
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvroute.quality import RouterSpec, installed_peer_specs, run_router, start_sim_workers
+from kvroute.quality import installed_peer_specs, kvroute_spec, run_router, start_sim_workers
 from kvroute.sim.fleet import prepare, upper_bound
 from kvroute.sim.report import ResultRow, markdown_table, to_json
 from kvroute.sim.workloads import gsp, llmd, multiturn
@@ -52,6 +60,11 @@ def build(args: argparse.Namespace) -> list:  # type: ignore[type-arg]
             rate=args.rate,
         )
     return multiturn(seed=args.seed, arrivals="poisson", rate=args.rate)
+
+
+def format_counters(counters: dict[str, float]) -> str:
+    """Decisions by reason/source, then predicted vs reported reuse, on one line."""
+    return ", ".join(f"{k}={v:g}" for k, v in sorted(counters.items()))
 
 
 def plot(rows: list[ResultRow], samples: dict[str, list[float]], path: str) -> None:
@@ -88,9 +101,21 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=6.0, help="Poisson arrivals per second")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="run the workers S times faster; times are reported in model seconds",
+    )
+    ap.add_argument(
+        "--capacity-tokens",
+        type=int,
+        default=None,
+        help="every sim worker's KV capacity in tokens (default: the sim worker's)",
+    )
+    ap.add_argument(
         "--policies",
         default="cache_aware,round_robin",
-        help="kvroute policies to run, comma-separated",
+        help="kvroute policies to run, comma-separated; POLICY+events = precise mode",
     )
     ap.add_argument(
         "--kvroute-args",
@@ -106,13 +131,18 @@ def main() -> int:
     requests = build(args)
     bound = upper_bound(prepare(requests, 16))
     extra = tuple(args.kvroute_args.split())
-    specs = [RouterSpec(f"kvroute {p}", "kvroute", p, extra) for p in args.policies.split(",")]
+    specs = [kvroute_spec(p, extra) for p in args.policies.split(",")]
     if args.peers:
         specs += installed_peer_specs(ROOT)
     rows: list[ResultRow] = []
     samples: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="kvroute-quality-") as logs:
-        workers = start_sim_workers(args.workers, logs, args.worker_args.split())
+        worker_args = [*args.worker_args.split(), "--time-scale", str(args.time_scale)]
+        if args.capacity_tokens is not None:
+            worker_args += ["--capacity-tokens", str(args.capacity_tokens)]
+        workers = start_sim_workers(
+            args.workers, logs, worker_args, kv_events=any(s.kv_events for s in specs)
+        )
         try:
             for spec in specs:
                 with tqdm(
@@ -124,9 +154,17 @@ def main() -> int:
                     mininterval=1.0,
                 ) as bar:
                     row = run_router(
-                        spec, workers, requests, log_dir=logs, root=ROOT, on_done=bar.update
+                        spec,
+                        workers,
+                        requests,
+                        log_dir=logs,
+                        root=ROOT,
+                        time_scale=args.time_scale,
+                        on_done=bar.update,
                     )
                 rows.append(row)
+                if row.extra.get("routing"):
+                    print(f"{spec.name}: {format_counters(row.extra['routing'])}", file=sys.stderr)
                 samples[spec.name] = list(row.extra.get("ttft", []))
         finally:
             for w in workers:
@@ -134,7 +172,17 @@ def main() -> int:
     print(markdown_table(rows, bound))
     if args.json:
         Path(args.json).write_text(
-            to_json(rows, bound, workload=args.workload, workers=args.workers)
+            to_json(
+                rows,
+                bound,
+                workload=args.workload,
+                workers=args.workers,
+                rate=args.rate,
+                time_scale=args.time_scale,
+                capacity_tokens=args.capacity_tokens,
+                kvroute_args=args.kvroute_args,
+                output_len=args.output_len,
+            )
         )
     if args.plot:
         plot(rows, samples, args.plot)

@@ -158,21 +158,33 @@ def test_index_is_shared_with_policy() -> None:
     assert len(seen) == 1 and seen[0].max_tokens_per_worker == 5000
 
 
-@pytest.mark.parametrize("policy", ["cache_aware", "round_robin"])
-def test_simulator_agrees_with_http_workers(policy: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("policy", "output_len", "capacity"),
+    [("cache_aware", 2, 2048), ("round_robin", 2, 2048), ("cache_aware", 300, 1024)],
+)
+def test_simulator_agrees_with_http_workers(
+    policy: str, output_len: int, capacity: int, tmp_path: Path
+) -> None:
     """Same requests, same policy: the simulator and real sim-worker processes (driven
-    one request at a time) make the same decisions and see the same cached tokens."""
+    one request at a time) make the same decisions and see the same cached tokens; with
+    300 output tokens, the blocks outputs fill evict prompts on both sides alike."""
     import httpx
 
     from kvroute.policies import create_policy
     from kvroute.procs import free_port, kvroute_argv, running, start_server
     from kvroute.sim.fleet import worker_names
 
-    reqs = small_gsp(groups=3, prompts_per_group=4, system_len=256, question_len=16, output_len=2)
+    reqs = small_gsp(
+        groups=3, prompts_per_group=4, system_len=256, question_len=16, output_len=output_len
+    )
     for i, r in enumerate(reqs):
         r.arrival_s = 1000.0 * i  # one at a time: no queueing on either side
-    cfg = FleetConfig(workers=2, capacity_tokens=2_048, block_size=16)
-    row = simulate(prepare(reqs, 16), policy, cfg, record=True)
+    cfg = FleetConfig(workers=2, capacity_tokens=capacity, block_size=16)
+    prep = prepare(reqs, 16)
+    row = simulate(prep, policy, cfg, record=True)
+    if output_len > 2:  # the outputs' blocks cost hits here (prompts alone fit)
+        cfg.output_blocks = False
+        assert simulate(prep, policy, cfg).hit_rate > row.hit_rate
 
     servers = []
     for _ in range(2):
@@ -182,7 +194,7 @@ def test_simulator_agrees_with_http_workers(policy: str, tmp_path: Path) -> None
             "--port",
             str(port),
             "--capacity-tokens",
-            "2048",
+            str(capacity),
             "--block-size",
             "16",
             "--time-scale",
@@ -210,3 +222,25 @@ def test_simulator_agrees_with_http_workers(policy: str, tmp_path: Path) -> None
     assert assigned == row.extra["assigned"]
     assert cached == row.extra["cached"]
     assert sum(cached) > 0
+
+
+def test_precise_mode_routes_on_what_caches_hold(capsys: pytest.CaptureFixture[str]) -> None:
+    """The router's index remembers one prompt per worker, the engines hold everything:
+    approximate routing forgets groups the engines still cache, precise mode (the caches'
+    events) does not, so it reaches the upper bound."""
+    reqs = small_gsp(groups=4, prompts_per_group=4)
+    for i, r in enumerate(reqs):
+        r.arrival_s = 100.0 * i  # one at a time: only the cache state differs
+    prep = prepare(reqs, 16)
+    cfg = FleetConfig(workers=2, capacity_tokens=1_000_000, max_tree_size=600)
+    approx = simulate(prep, "cache_aware", cfg)
+    precise = simulate(prep, "cache_aware+events", cfg)
+    assert precise.name == "cache_aware+events"
+    assert precise.hit_rate == pytest.approx(upper_bound(prep))
+    assert approx.hit_rate < precise.hit_rate
+
+    assert main(["simulate", "--workload", "gsp", "--groups", "4", "--prompts-per-group",
+                 "4", "--workers", "2", "--policies", "cache_aware+events"]) == 0  # fmt: skip
+    assert "| cache_aware+events |" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="precise mode"):
+        simulate(prep, "round_robin+events", cfg)

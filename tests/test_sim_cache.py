@@ -218,3 +218,88 @@ def test_random_workload_against_reference_model() -> None:
         counts = c.ref_counts()
         assert refs == counts
         assert [k for k in order if refs[k] == 0] == [k for k in c._lru if counts[k] == 0]
+
+
+def test_output_blocks_take_capacity_from_cached_prompts() -> None:
+    """vLLM caches the blocks a request's output fills: they evict other prompts' blocks,
+    and stay cached (evictable, tail first) once the request ends."""
+    from kvroute.sim.cache import output_ids, sequence
+
+    c = PrefixCache(5 * B, B)  # 5 blocks
+    _, h = c.admit(toks(1, 2))
+    c.release(h)
+    prompt = toks(3, extra=2)  # 1 full block + 2 tokens that share a block with the output
+    cached, h = c.admit(prompt, output_len=11)
+    assert cached == 0 and c.num_blocks == 3
+    seq = sequence(prompt, 11)  # the prompt and 10 of the 11 output tokens (KV computed)
+    assert len(seq) == 6 + 10 and seq[6:].tolist() == output_ids(10).tolist()
+    keys = block_keys(seq, B)
+    assert c.next_fill(h) == 2 * B
+    c.grow(h, 7)  # block 1 not full yet
+    assert c.num_blocks == 3
+    c.grow(h, 2 * B)  # block 1 = prompt tail + 2 output tokens: stored and pinned
+    assert keys[1] in c and c.num_blocks == 4
+    c.grow(h, len(seq))  # blocks 2 and 3: the cache is full, prompt 1's tail goes
+    assert c.next_fill(h) is None and c.num_blocks == 5
+    assert c.lookup(toks(1, 2, extra=1)) == B, "prompt 1's last block evicted"
+    assert c.pinned_blocks == 4
+    c.release(h)
+    c.check_invariants()
+    assert all(k in c for k in keys), "output blocks stay cached after the request"
+    # Released tail first: after prompt 1's first block, the output's last blocks go.
+    _, h2 = c.admit(toks(7, 8, 9))
+    c.release(h2)
+    assert keys[0] in c and keys[1] in c and keys[2] not in c and keys[3] not in c
+    assert c.lookup(toks(1, extra=1)) == 0
+
+
+def test_output_blocks_stop_when_nothing_can_be_evicted() -> None:
+    c = PrefixCache(3 * B, B)
+    _, other = c.admit(toks(5))  # pinned by a running request
+    _, h = c.admit(toks(1), output_len=4 * B)
+    c.grow(h, 4 * B)  # only block 1 fits next to the pinned ones
+    assert h.stalled and c.num_blocks == 3 and c.pinned_blocks == 3
+    c.release(other)
+    c.grow(h, 5 * B)  # the chain is broken: nothing more is cached for this request
+    assert c.num_blocks == 3
+    c.release(h)
+    c.check_invariants()
+    assert c.pinned_blocks == 0
+
+
+def test_output_block_events_feed_a_block_index() -> None:
+    """Output blocks are reported like prompt blocks (parent = the block before, token IDs
+    across the prompt/output boundary), so a BlockIndex fed by them agrees with the cache."""
+    from kvroute import BlockIndex
+    from kvroute.sim.cache import sequence
+
+    index = BlockIndex()
+    stored: list[tuple[list[int], int | None, list[int]]] = []
+    removed: list[list[int]] = []
+
+    def on_store(hashes: list[int], parent: int | None, ids: list[int], bs: int) -> None:
+        stored.append((hashes, parent, ids))
+        index.stored("w", parent, hashes, ids, bs)
+
+    def on_remove(hashes: list[int]) -> None:
+        removed.append(hashes)
+        index.removed("w", hashes)
+
+    c = PrefixCache(4 * B, B, on_store=on_store, on_remove=on_remove)
+    _, h = c.admit(toks(1, 2, extra=1))
+    c.release(h)
+    prompt = toks(3, extra=3)
+    seq = sequence(prompt, 2 * B + 2)
+    keys = block_keys(seq, B)
+    _, h = c.admit(prompt, output_len=2 * B + 2)
+    assert stored[-1] == ([keys[0]], None, toks(3))
+    c.grow(h, 2 * B)
+    assert stored[-1] == ([keys[1]], keys[0], seq[B : 2 * B].tolist())
+    assert seq[B : B + 3].tolist() == [999] * 3, "the prompt's tail starts the block"
+    c.grow(h, len(seq))  # blocks 2 and 3 together: one event, prompt 1's blocks removed
+    assert stored[-1] == (keys[2:4], keys[1], seq[2 * B : 4 * B].tolist())
+    assert sorted(k for r in removed for k in r) == sorted(block_keys(toks(1, 2), B))
+    c.release(h)
+    assert index.cached_tokens("w") == c.cached_tokens == 4 * B
+    assert index.match(seq.tolist()) == {"w": 4 * B}
+    assert index.match(toks(1, 2, extra=1)) == {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -292,6 +293,29 @@ def test_kv_events_stored_removed_cleared(worker: tuple[Server, zmq.Socket[bytes
     assert set(stored[0].block_hashes) <= set(removed)
 
 
+def test_kv_events_for_output_blocks(worker: tuple[Server, zmq.Socket[bytes], str]) -> None:
+    """Blocks the output fills are published like prompt blocks: chained to the prompt's
+    last block, their token IDs running across the prompt/output boundary."""
+    from kvroute.sim.cache import sequence
+
+    server, sub, _ = worker
+    _sync_events(server, sub)
+    _flush(server)
+    prompt = list(range(70_000, 70_000 + 2 * BLOCK + 3))
+    out_len = 2 * BLOCK + 1  # with the prompt's 3 tail tokens: 2 more full blocks
+    _completion(server, prompt, out_len)
+    events = [e for m in _drain(sub) for e in decode_batch(m[2]).events]
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    assert stored[0].token_ids == prompt[: 2 * BLOCK] and stored[0].parent_block_hash is None
+    hashes = [h for e in stored for h in e.block_hashes]
+    assert len(hashes) == 4
+    for e in stored[1:]:  # each event continues the chain
+        assert e.parent_block_hash == hashes[hashes.index(e.block_hashes[0]) - 1]
+    seq = sequence(prompt, out_len).tolist()
+    assert [t for e in stored for t in e.token_ids] == seq[: 4 * BLOCK]
+    assert httpx.get(server.url + "/sim/stats", timeout=5).json()["cached_blocks"] == 4
+
+
 def test_kv_event_faults_and_replay(
     worker: tuple[Server, zmq.Socket[bytes], str], zmq_ctx: zmq.Context[Any]
 ) -> None:
@@ -399,6 +423,22 @@ async def test_engine_cancellation_releases_slot_and_blocks() -> None:
     # The slot is free again.
     done = await asyncio.wait_for(_serve(engine, Run("c", 32, 1), list(range(32))), 5)
     assert done.finished and time.perf_counter() > 0
+
+
+async def test_engine_stream_interval_and_output_blocks() -> None:
+    engine = SimEngine(SimConfig(time_scale=10, stream_interval=10))
+    run = Run("a", 64, 35)
+    sent: list[int] = []
+    async with contextlib.aclosing(engine.generate(run, list(range(64)))) as steps:
+        async for n in steps:
+            sent.append(n)
+    assert sent[0] == 1 and sent[-1] == 35 and len(sent) <= 5
+    assert all(b - a >= 10 for a, b in itertools.pairwise(sent[:-1]))  # the last may be short
+    # The prompt's 4 blocks and the 2 that 34 output tokens filled (the 35th has no KV).
+    assert engine.cache.num_blocks == (64 + 34) // 16 and engine.cache.pinned_blocks == 0
+    quiet = SimEngine(SimConfig(time_scale=10, output_blocks=False))
+    await _serve(quiet, Run("b", 64, 35), list(range(64)))
+    assert quiet.cache.num_blocks == 4
 
 
 # ------------------------------------------------------------------ agreement with the fleet
@@ -530,7 +570,8 @@ def test_client_disconnect_frees_the_slot(worker: tuple[Server, Any, str]) -> No
         assert orjson.loads(first[5:])["choices"][0]["text"]
         stats = httpx.get(server.url + "/sim/stats", timeout=5).json()
         assert stats["running"] == 1, stats
-        assert stats["pinned_blocks"] == 4
+        # The prompt's 4 blocks, and the output's as it fills them (up to the capacity).
+        assert 4 <= stats["pinned_blocks"] <= CAPACITY // BLOCK
     for _ in range(200):  # the server notices the closed connection within a few polls
         stats = httpx.get(server.url + "/sim/stats", timeout=5).json()
         if stats["running"] == 0:

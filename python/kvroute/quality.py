@@ -6,12 +6,25 @@ the router is started in front of the workers, the workload is replayed (``loadg
 and the row is built from what clients saw (TTFT, latency) and what the workers report
 (cached prompt tokens per request, requests served per worker). Used by ``kvroute demo``
 and ``bench/routing_quality.py``.
+
+Precise mode (a spec with ``kv_events``): the workers publish vLLM-format KV events to one
+socket the router binds (a topic per worker). ZMQ drops what a publisher sends before the
+subscription reaches it, and the router trusts a stream only once it has seen a full
+state, so after the router starts every worker's cache is flushed (``AllBlocksCleared``)
+until ``/workers`` shows all of them ``precise``; only then does the timed replay start.
+
+Time scale: with workers run ``S`` times faster than real time (``--time-scale S``),
+arrivals are sent ``S`` times sooner and every time the client measures is multiplied by
+``S``, so rows are in the workers' model time (router and HTTP overhead count ``S`` times).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import re
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +46,18 @@ class RouterSpec:
     kind: str
     policy: str = "cache_aware"
     args: tuple[str, ...] = field(default_factory=tuple)
+    kv_events: bool = False  # kvroute only: --kv-events for every worker (precise mode)
+
+
+EVENTS_SUFFIX = "+events"
+
+
+def kvroute_spec(policy: str, args: Sequence[str] = ()) -> RouterSpec:
+    """``policy``, or ``policy+events`` for the same policy in precise mode."""
+    base = policy.removesuffix(EVENTS_SUFFIX)
+    events = policy.endswith(EVENTS_SUFFIX)
+    name = f"kvroute {base} (precise)" if events else f"kvroute {base}"
+    return RouterSpec(name, "kvroute", base, tuple(args), kv_events=events)
 
 
 def installed_peer_specs(root: Path) -> list[RouterSpec]:
@@ -47,19 +72,30 @@ def installed_peer_specs(root: Path) -> list[RouterSpec]:
     return specs
 
 
-def start_sim_workers(n: int, log_dir: str, args: Sequence[str] = ()) -> list[Server]:
+def start_sim_workers(
+    n: int, log_dir: str, args: Sequence[str] = (), *, kv_events: bool = False
+) -> list[Server]:
+    """``n`` sim workers; with ``kv_events`` each publishes to one endpoint that a
+    precise-mode router binds, under its own topic (``Server.extra["kv_events"]`` holds
+    the ``--kv-events`` value for it)."""
     workers: list[Server] = []
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
     try:
-        for _ in range(n):
+        for i in range(n):
             port = free_port()
-            workers.append(
-                start_server(
-                    f"sim-worker-{port}",
-                    kvroute_argv("sim-worker", "--port", str(port), *args),
-                    port,
-                    log_dir=log_dir,
-                )
+            topic = f"kv@{i}"
+            events = ["--kv-events-endpoint", endpoint, "--kv-events-topic", topic]
+            w = start_server(
+                f"sim-worker-{port}",
+                kvroute_argv(
+                    "sim-worker", "--port", str(port), *args, *(events if kv_events else [])
+                ),
+                port,
+                log_dir=log_dir,
             )
+            if kv_events:
+                w.extra["kv_events"] = f"{w.url}={endpoint};bind;topic={topic}"
+            workers.append(w)
     except BaseException:
         for w in workers:
             w.stop()
@@ -67,15 +103,78 @@ def start_sim_workers(n: int, log_dir: str, args: Sequence[str] = ()) -> list[Se
     return workers
 
 
-def start_router(spec: RouterSpec, workers: list[str], log_dir: str, root: Path) -> Server:
+def start_router(spec: RouterSpec, workers: Sequence[Server], log_dir: str, root: Path) -> Server:
+    urls = [w.url for w in workers]
     if spec.kind == "kvroute":
         port = free_port()
+        events: list[str] = []
+        if spec.kv_events:
+            for w in workers:
+                if "kv_events" not in w.extra:
+                    raise ValueError(f"{spec.name}: the workers do not publish KV events")
+                events += ["--kv-events", str(w.extra["kv_events"])]
         argv = kvroute_argv(
             "serve", "--port", str(port), "--policy", spec.policy,
-            "--worker-urls", *workers, "--log-level", "warning", *spec.args,
+            "--worker-urls", *urls, "--log-level", "warning", *spec.args, *events,
         )  # fmt: skip
         return start_server(f"kvroute-{spec.policy}", argv, port, log_dir=log_dir)
-    return start_peer(PEERS[spec.kind], root, workers, policy=spec.policy, log_dir=log_dir)
+    return start_peer(PEERS[spec.kind], root, urls, policy=spec.policy, log_dir=log_dir)
+
+
+def worker_modes(router: Server) -> dict[str, str]:
+    with httpx.Client(timeout=10, trust_env=False) as c:
+        return {w["url"]: str(w["mode"]) for w in c.get(router.url + "/workers").json()}
+
+
+def wait_precise(router: Server, workers: Sequence[Server], timeout_s: float = 30.0) -> None:
+    """Flush the cache of every worker the router does not trust yet (its
+    ``AllBlocksCleared`` is a full state) until all are ``precise``; raise on timeout."""
+    deadline = time.monotonic() + timeout_s
+    modes = worker_modes(router)
+    with httpx.Client(timeout=10, trust_env=False) as c:
+        while time.monotonic() < deadline:
+            pending = [w for w in workers if modes.get(w.url) != "precise"]
+            if not pending:
+                return
+            for w in pending:
+                c.post(w.url + "/flush_cache").raise_for_status()
+            time.sleep(0.2)
+            modes = worker_modes(router)
+    raise TimeoutError(f"workers not precise after {timeout_s:.0f}s: {modes}")
+
+
+_SAMPLE = re.compile(r"^(kvroute_[a-z_]+)(?:\{([^}]*)\})? (\S+)$", re.M)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process so far (Linux ``/proc``; None elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def routing_counters(text: str) -> dict[str, float]:
+    """From a kvroute ``/metrics`` page: decisions by ``reason/source``, and predicted vs
+    reported cached tokens by source (``predicted/<source>``, ``reported/<source>``)."""
+    out: dict[str, float] = {}
+    names = {
+        "kvroute_routing_decisions_total": "",
+        "kvroute_predicted_cached_tokens_total": "predicted/",
+        "kvroute_reported_cached_tokens_total": "reported/",
+    }
+    for name, labels, value in _SAMPLE.findall(text):
+        if name not in names:
+            continue
+        lab = dict(_LABEL.findall(labels))
+        key = names[name] + (
+            f"{lab.get('reason', '')}/{lab.get('source', '')}" if not names[name] else lab["source"]
+        )
+        out[key] = out.get(key, 0.0) + float(value)
+    return out
 
 
 def reset_workers(workers: Sequence[Server]) -> None:
@@ -100,26 +199,43 @@ def run_router(
     time_scale: float = 1.0,
     on_done: Callable[[], None] | None = None,
 ) -> ResultRow:
+    """One row; times in model seconds (client wall time x ``time_scale``).
+    ``extra["routing"]`` holds the router's CPU seconds and, for kvroute, its decision
+    and reuse counters."""
     reset_workers(workers)
-    before = served_counts(workers)
-    router = start_router(spec, [w.url for w in workers], log_dir, root)
+    router = start_router(spec, workers, log_dir, root)
+    counters: dict[str, float] = {}
     try:
+        if spec.kv_events:
+            wait_precise(router, workers)
+            reset_workers(workers)  # the priming flushes are not part of the run
+        before = served_counts(workers)
         outcomes, wall = asyncio.run(
             replay(router.url, requests, time_scale=time_scale, on_done=on_done)
         )
+        cpu = cpu_seconds(router.pid)
+        if cpu is not None:  # the router's CPU time (wall seconds), with start-up
+            counters["router_cpu_s"] = round(cpu, 2)
+        if spec.kind == "kvroute":
+            with httpx.Client(timeout=10, trust_env=False) as c:
+                counters.update(routing_counters(c.get(router.url + "/metrics").text))
+            if spec.kv_events:
+                for m in worker_modes(router).values():  # workers per mode at the end
+                    counters[f"mode/{m}"] = counters.get(f"mode/{m}", 0.0) + 1
     finally:
         router.stop()
     after = served_counts(workers)
     ok = [o for o in outcomes if o.status == 200]
+    s = time_scale
     return summarize(
         spec.name,
-        ttft_s=[o.ttft_s for o in ok],
-        e2e_s=[o.e2e_s for o in ok],
+        ttft_s=[o.ttft_s * s for o in ok],
+        e2e_s=[o.e2e_s * s for o in ok],
         prompt_tokens=sum(o.prompt_tokens for o in ok),
         cached_tokens=sum(o.cached_tokens for o in ok),
         output_tokens=sum(o.output_tokens for o in ok),
-        duration_s=wall,
+        duration_s=wall * s,
         per_worker=[a - b for a, b in zip(after, before, strict=True)],
         errors=len(outcomes) - len(ok),
-        extra={"ttft": [round(o.ttft_s, 6) for o in ok]},
+        extra={"ttft": [round(o.ttft_s * s, 6) for o in ok], "routing": counters},
     )

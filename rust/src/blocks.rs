@@ -15,7 +15,8 @@
 //! times the block size: whole blocks only, as the engine reuses them.
 //!
 //! Cost: one pass of hashing over the request per distinct block size in the fleet,
-//! then one hash-map probe per block while any worker still matches.
+//! then one hash-map probe per block while any worker still matches (probed several
+//! at a time, see `match_all`; `cargo bench --bench blocks` times it).
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
@@ -31,19 +32,43 @@ fn fmix64(mut k: u64) -> u64 {
     k ^ (k >> 33)
 }
 
+const MUL: u64 = 0x9e37_79b9_7f4a_7c15;
+const LANE_SEEDS: [u64; 4] = [
+    0x243f_6a88_85a3_08d3,
+    0x1319_8a2e_0370_7344,
+    0xa409_3822_299f_31d0,
+    0x082e_fa98_ec4e_6c89,
+];
+
 /// Our key for a block whose predecessor has key `parent`.
+///
+/// The block's tokens are hashed apart from the parent, eight at a time in four
+/// independent lanes (each step `(lane ^ two tokens) * MUL`, rotated: a bijection of the
+/// lane, so blocks differing in one position always differ in that lane), and the
+/// parent enters only at the end through one `fmix64`. The serial chain from one key to
+/// the next is then that one mix, and the multiplications of a block and of the blocks
+/// after it overlap in the CPU instead of queueing behind each other.
 #[inline]
 pub fn block_key(parent: u64, tokens: &[u32]) -> u64 {
-    let mut h = fmix64(parent ^ (tokens.len() as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
-    let mut chunks = tokens.chunks_exact(2);
-    for c in &mut chunks {
-        let w = (c[0] as u64) | ((c[1] as u64) << 32);
-        h = (h.rotate_left(23) ^ w).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    let mut h = (tokens.len() as u64).wrapping_mul(MUL);
+    let mut chunks = tokens.chunks_exact(8);
+    if tokens.len() >= 8 {
+        let mut lanes = LANE_SEEDS;
+        for c in &mut chunks {
+            for (j, lane) in lanes.iter_mut().enumerate() {
+                let w = (c[2 * j] as u64) | ((c[2 * j + 1] as u64) << 32);
+                *lane = (*lane ^ w).wrapping_mul(MUL).rotate_left(31);
+            }
+        }
+        h ^= fmix64(lanes[0])
+            ^ fmix64(lanes[1]).rotate_left(16)
+            ^ fmix64(lanes[2]).rotate_left(32)
+            ^ fmix64(lanes[3]).rotate_left(48);
     }
     for &t in chunks.remainder() {
-        h = (h.rotate_left(23) ^ t as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        h = (h.rotate_left(23) ^ t as u64).wrapping_mul(MUL);
     }
-    fmix64(h)
+    fmix64(parent.wrapping_mul(MUL) ^ h)
 }
 
 /// Keys of the full blocks of `tokens` at `block_size`.
@@ -78,6 +103,68 @@ impl std::fmt::Display for EventError {
 
 impl std::error::Error for EventError {}
 
+/// The workers holding one block. Up to `INLINE` ids live in the map's entry itself,
+/// so matching reads them without following a pointer (one cache miss fewer per
+/// block); a block held by more workers spills to the heap.
+#[derive(Debug)]
+enum Holders {
+    Inline { len: u8, ids: [u32; INLINE] },
+    Heap(Vec<u32>),
+}
+
+const INLINE: usize = 4;
+
+impl Default for Holders {
+    fn default() -> Self {
+        Holders::Inline {
+            len: 0,
+            ids: [0; INLINE],
+        }
+    }
+}
+
+impl Holders {
+    fn as_slice(&self) -> &[u32] {
+        match self {
+            Holders::Inline { len, ids } => &ids[..*len as usize],
+            Holders::Heap(v) => v,
+        }
+    }
+
+    fn push(&mut self, id: u32) {
+        match self {
+            Holders::Inline { len, ids } if (*len as usize) < INLINE => {
+                ids[*len as usize] = id;
+                *len += 1;
+            }
+            Holders::Inline { ids, .. } => {
+                let mut v = ids.to_vec();
+                v.push(id);
+                *self = Holders::Heap(v);
+            }
+            Holders::Heap(v) => v.push(id),
+        }
+    }
+
+    /// Drop `id`; true if no holder is left.
+    fn remove(&mut self, id: u32) -> bool {
+        match self {
+            Holders::Inline { len, ids } => {
+                let n = *len as usize;
+                if let Some(i) = ids[..n].iter().position(|&x| x == id) {
+                    ids.copy_within(i + 1..n, i);
+                    *len -= 1;
+                }
+                *len == 0
+            }
+            Holders::Heap(v) => {
+                v.retain(|&x| x != id);
+                v.is_empty()
+            }
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct WorkerBlocks {
     name: String,
@@ -95,7 +182,7 @@ pub struct BlockIndex {
     ids: FxHashMap<String, u32>,
     free_ids: Vec<u32>,
     /// Our key -> workers holding that block.
-    holders: FxHashMap<u64, Vec<u32>>,
+    holders: FxHashMap<u64, Holders>,
 }
 
 impl BlockIndex {
@@ -181,14 +268,13 @@ impl BlockIndex {
         Ok(())
     }
 
-    fn release(holders: &mut FxHashMap<u64, Vec<u32>>, w: &mut WorkerBlocks, wid: u32, key: u64) {
+    fn release(holders: &mut FxHashMap<u64, Holders>, w: &mut WorkerBlocks, wid: u32, key: u64) {
         if let Some(c) = w.keys.get_mut(&key) {
             *c -= 1;
             if *c == 0 {
                 w.keys.remove(&key);
                 if let Some(hs) = holders.get_mut(&key) {
-                    hs.retain(|&x| x != wid);
-                    if hs.is_empty() {
+                    if hs.remove(wid) {
                         holders.remove(&key);
                     }
                 }
@@ -221,8 +307,7 @@ impl BlockIndex {
         let w = self.workers[wid as usize].as_mut().expect("live");
         for key in w.keys.keys() {
             if let Some(hs) = self.holders.get_mut(key) {
-                hs.retain(|&x| x != wid);
-                if hs.is_empty() {
+                if hs.remove(wid) {
                     self.holders.remove(key);
                 }
             }
@@ -263,8 +348,8 @@ impl BlockIndex {
             .collect()
     }
 
-    /// Matched tokens (whole leading blocks) per worker holding at least one block.
-    pub fn match_all(&self, tokens: &[u32]) -> Vec<(String, u32)> {
+    /// Distinct block sizes of the workers holding anything, ascending.
+    fn block_sizes(&self) -> Vec<usize> {
         let mut sizes: Vec<usize> = self
             .workers
             .iter()
@@ -274,8 +359,86 @@ impl BlockIndex {
             .collect();
         sizes.sort_unstable();
         sizes.dedup();
+        sizes
+    }
+
+    /// Matched tokens (whole leading blocks) per worker holding at least one block.
+    ///
+    /// The workers still matching (`active`) start as the holders of the first block
+    /// (those of this block size); at each later block, the ones that do not hold it drop
+    /// out with the length so far. The cost is one map probe per block, and each probe is
+    /// a cache miss or two in a map of every cached block: so the keys are computed
+    /// first and probed `PROBE_AHEAD` at a time, independent loads the CPU overlaps,
+    /// before the blocks are checked in order (a few probes past the end of the match
+    /// are wasted). Membership is tested against a per-call stamp array indexed by
+    /// worker id, or directly once one worker is left: no allocation per block.
+    pub fn match_all(&self, tokens: &[u32]) -> Vec<(String, u32)> {
+        const PROBE_AHEAD: usize = 8;
         let mut out = Vec::new();
-        for bs in sizes {
+        let mut stamp: Vec<u32> = Vec::new();
+        for bs in self.block_sizes() {
+            let keys = chain_keys(tokens, bs);
+            let Some(hs) = keys.first().and_then(|k| self.holders.get(k)) else {
+                continue;
+            };
+            let mut active: Vec<u32> = hs
+                .as_slice()
+                .iter()
+                .copied()
+                .filter(|&id| {
+                    self.workers[id as usize]
+                        .as_ref()
+                        .is_some_and(|w| w.block_size == bs)
+                })
+                .collect();
+            let mut matched = 1usize; // blocks every active worker holds
+            'blocks: for chunk in keys[1..].chunks(PROBE_AHEAD) {
+                let mut found: [&[u32]; PROBE_AHEAD] = [&[]; PROBE_AHEAD];
+                for (slot, key) in found.iter_mut().zip(chunk) {
+                    *slot = self.holders.get(key).map_or(&[], |v| v.as_slice());
+                }
+                for hs in &found[..chunk.len()] {
+                    let len = (matched * bs) as u32;
+                    if let [only] = active[..] {
+                        if !hs.contains(&only) {
+                            out.push((self.name(only), len));
+                            active.clear();
+                        }
+                    } else {
+                        if stamp.is_empty() {
+                            stamp = vec![0; self.workers.len()];
+                        }
+                        for &id in *hs {
+                            stamp[id as usize] = matched as u32; // distinct per block
+                        }
+                        active.retain(|&id| {
+                            let keep = stamp[id as usize] == matched as u32;
+                            if !keep {
+                                out.push((self.name(id), len));
+                            }
+                            keep
+                        });
+                    }
+                    if active.is_empty() {
+                        break 'blocks;
+                    }
+                    matched += 1;
+                }
+            }
+            let full = (keys.len() * bs) as u32;
+            out.extend(active.into_iter().map(|id| (self.name(id), full)));
+            stamp.fill(0); // the next block size counts its blocks from 1 again
+        }
+        out.retain(|&(_, n)| n > 0);
+        out
+    }
+
+    /// `match_all` as first written (a hash set per block): the reference the tests
+    /// compare it with, and the baseline of `cargo bench --bench blocks`.
+    #[doc(hidden)]
+    pub fn match_all_reference(&self, tokens: &[u32]) -> Vec<(String, u32)> {
+        let mut out = Vec::new();
+        for bs in self.block_sizes() {
             let mut active: Vec<u32> = Vec::new();
             let mut first = true;
             let mut parent = SEED;
@@ -324,105 +487,5 @@ impl BlockIndex {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn toks(n: usize, base: u32) -> Vec<u32> {
-        (0..n as u32).map(|i| base + i).collect()
-    }
-
-    fn sorted(mut v: Vec<(String, u32)>) -> Vec<(String, u32)> {
-        v.sort();
-        v
-    }
-
-    #[test]
-    fn chain_is_prefix_sensitive() {
-        let a = chain_keys(&toks(8, 0), 4);
-        let mut other = toks(8, 0);
-        other[0] = 99;
-        let b = chain_keys(&other, 4);
-        assert_eq!(a.len(), 2);
-        assert_ne!(a[1], b[1], "a change in block 0 changes every later key");
-        assert_eq!(chain_keys(&toks(7, 0), 4), a[..1].to_vec());
-    }
-
-    #[test]
-    fn stored_then_matched_in_whole_blocks() {
-        let mut idx = BlockIndex::new();
-        let t = toks(12, 100);
-        idx.stored("w1", None, &[11, 12], &t[..8], 4).unwrap();
-        idx.stored("w1", Some(12), &[13], &t[8..12], 4).unwrap();
-        idx.stored("w2", None, &[21], &t[..4], 4).unwrap();
-        assert_eq!(
-            sorted(idx.match_all(&toks(14, 100))),
-            vec![("w1".into(), 12), ("w2".into(), 4)]
-        );
-        // A request that diverges inside block 1 only gets block 0.
-        let mut q = toks(12, 100);
-        q[5] = 0;
-        assert_eq!(
-            sorted(idx.match_all(&q)),
-            vec![("w1".into(), 4), ("w2".into(), 4)]
-        );
-        assert_eq!(idx.cached_tokens("w1"), 12);
-    }
-
-    #[test]
-    fn removal_and_clear() {
-        let mut idx = BlockIndex::new();
-        let t = toks(8, 0);
-        idx.stored("w", None, &[1, 2], &t, 4).unwrap();
-        assert_eq!(idx.removed("w", &[2, 999]), 1);
-        assert_eq!(idx.match_all(&t), vec![("w".into(), 4)]);
-        // Removing a leading block breaks the prefix even if later blocks remain.
-        idx.stored("w", Some(1), &[2], &t[4..], 4).unwrap();
-        idx.removed("w", &[1]);
-        assert!(idx.match_all(&t).is_empty());
-        idx.clear_worker("w");
-        assert_eq!(idx.cached_tokens("w"), 0);
-        assert_eq!(idx.distinct_blocks(), 0);
-        assert_eq!(idx.workers(), vec!["w".to_string()]);
-    }
-
-    #[test]
-    fn unknown_parent_is_an_error_and_changes_nothing() {
-        let mut idx = BlockIndex::new();
-        let err = idx.stored("w", Some(42), &[1], &toks(4, 0), 4);
-        assert_eq!(err, Err(EventError::UnknownParent(42)));
-        assert_eq!(idx.cached_tokens("w"), 0);
-        assert!(idx.stored("w", None, &[1, 2], &toks(3, 0), 4).is_err());
-    }
-
-    #[test]
-    fn duplicate_and_rehashed_blocks_are_counted_once() {
-        let mut idx = BlockIndex::new();
-        let t = toks(4, 0);
-        idx.stored("w", None, &[1], &t, 4).unwrap();
-        idx.stored("w", None, &[1], &t, 4).unwrap();
-        idx.stored("w", None, &[7], &t, 4).unwrap(); // same content, other engine hash
-        assert_eq!(idx.cached_blocks("w"), 1);
-        idx.removed("w", &[1]);
-        assert_eq!(
-            idx.match_all(&t),
-            vec![("w".into(), 4)],
-            "hash 7 still holds it"
-        );
-        idx.removed("w", &[7]);
-        assert!(idx.match_all(&t).is_empty());
-    }
-
-    #[test]
-    fn workers_with_different_block_sizes() {
-        let mut idx = BlockIndex::new();
-        let t = toks(64, 0);
-        idx.stored("a", None, &[1, 2], &t[..32], 16).unwrap();
-        idx.stored("b", None, &[5], &t[..32], 32).unwrap();
-        assert_eq!(
-            sorted(idx.match_all(&t)),
-            vec![("a".into(), 32), ("b".into(), 32)]
-        );
-        idx.remove_worker("a");
-        assert_eq!(idx.match_all(&t), vec![("b".into(), 32)]);
-    }
-}
+#[path = "blocks_tests.rs"]
+mod tests;

@@ -74,6 +74,19 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-model-len", type=int, default=131_072)
     p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="output tokens per streamed chunk after the first, like vLLM's (default %(default)s)",
+    )
+    p.add_argument(
+        "--no-output-blocks",
+        dest="output_blocks",
+        action="store_false",
+        help="generated tokens take no KV cache blocks (vLLM caches them; this is for "
+        "measuring what they change)",
+    )
+    p.add_argument(
         "--kv-events-endpoint",
         default=None,
         help="publish vLLM KV events on this ZMQ endpoint (tcp://*:5557 binds, "
@@ -112,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
             kv_events_endpoint=args.kv_events_endpoint,
             kv_events_topic=args.kv_events_topic,
             kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+            stream_interval=args.stream_interval,
+            output_blocks=args.output_blocks,
         ).validate()
     except ValueError as e:
         print(f"kvroute sim-worker: {e}", file=sys.stderr)

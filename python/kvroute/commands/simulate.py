@@ -31,6 +31,13 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--no-output-blocks",
+        dest="output_blocks",
+        action="store_false",
+        help="generated tokens take no KV cache blocks (vLLM caches them; this is for "
+        "measuring what they change)",
+    )
+    p.add_argument(
         "--worker-capacity",
         default="auto",
         metavar="auto|off|N",
@@ -49,7 +56,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--policies",
         default="cache_aware,round_robin",
-        help="comma-separated policy names (default: cache_aware,round_robin)",
+        help="comma-separated policy names (default: cache_aware,round_robin); "
+        "cache_aware+events: precise mode, routed on the simulated caches' KV events",
     )
     add_fleet_args(p)
     g = p.add_argument_group("workload shape")
@@ -115,6 +123,7 @@ def fleet_config(args: argparse.Namespace) -> Any:
         max_tree_size=args.max_tree_size,
         policy_settings={"seed": args.seed, "worker_capacity": capacity},
         learn_capacity=learn,
+        output_blocks=args.output_blocks,
     )
 
 
@@ -130,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--policies is empty")
         from kvroute.policies import POLICY_NAMES
 
-        unknown = [p for p in policies if p not in POLICY_NAMES]
+        unknown = [p for p in policies if p.removesuffix("+events") not in POLICY_NAMES]
         if unknown:
             raise ValueError(f"unknown policy {unknown[0]!r}; one of {', '.join(POLICY_NAMES)}")
         cfg = fleet_config(args)

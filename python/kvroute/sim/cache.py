@@ -11,8 +11,16 @@
 * A lookup counts leading blocks present, over the first ``n - 1`` tokens: like vLLM,
   the last prompt token is always recomputed to produce logits, so a fully cached prompt
   of 32 tokens in blocks of 16 reports 16 cached tokens.
-* Only prompt blocks are cached; generated tokens are not (the simulator's output text is
-  filler that no later prompt contains).
+* Generated tokens take blocks too, as in vLLM: a request's sequence is its prompt
+  followed by its output, cut into blocks over the whole sequence (the first output block
+  holds the prompt's partial tail). ``admit`` stores and pins the prompt's full blocks;
+  as decoding proceeds, ``grow`` stores and pins each block the sequence fills, evicting
+  as admission does, and reports it like a prompt block (``BlockStored``). When the
+  request ends its output blocks stay cached and evictable like any other. The KV of the
+  last sampled token is never computed, so a finished request leaves the blocks of its
+  prompt + output minus one token (``sequence``). Output blocks are what a router that
+  only sees prompts cannot predict: they take capacity from cached prompts. A partial
+  last block (at most one per running request) takes no capacity here.
 
 One ``OrderedDict`` holds every block in eviction order; reference counts are kept as
 two ``Counter``s (acquired, released) so that admission and release are whole-list
@@ -21,14 +29,16 @@ blocks by moving them to the tail; releasing moves a request's blocks to the tai
 block first. The order of the unpinned blocks is therefore vLLM's free-block queue.
 
 Keys are 64-bit ints from ``block_keys`` (vectorised with numpy; deterministic across
-processes). They double as the "engine hashes" of KV events.
+processes). They double as the "engine hashes" of KV events. Key ``i`` depends only on
+blocks ``0..i``, so the keys of a request's whole sequence, computed once at admission,
+start with its prompt's keys.
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import compress, repeat
 from operator import not_
 
@@ -43,6 +53,11 @@ StoreCallback = Callable[[list[int], int | None, list[int], int], None]
 """``(block_hashes, parent_block_hash, token_ids of all those blocks, block_size)``."""
 RemoveCallback = Callable[[list[int]], None]
 """``(block_hashes)`` of evicted blocks."""
+
+# What every simulated request generates, repeated (greedy decoding of one fixed answer):
+# ``sim.engine`` renders these IDs as text.
+OUTPUT_TOKEN_IDS = (279, 3974, 13876, 38835, 34208, 916, 264, 15678, 5679, 1549)
+_OUTPUT_ARRAY = np.array(OUTPUT_TOKEN_IDS, dtype=np.uint32)
 
 _mult_cache: dict[int, npt.NDArray[np.uint64]] = {}
 _drain = deque[object](maxlen=0).extend  # consume an iterator at C speed
@@ -63,6 +78,19 @@ def _multipliers(block_size: int) -> npt.NDArray[np.uint64]:
         m = _mix(np.arange(block_size, dtype=U64) + U64(_MULT_SEED)) | U64(1)
         _mult_cache[block_size] = m
     return m
+
+
+def output_ids(n: int) -> npt.NDArray[np.uint32]:
+    """The first ``n`` tokens every simulated request generates."""
+    return np.resize(_OUTPUT_ARRAY, max(n, 0))
+
+
+def sequence(
+    prompt: Sequence[int] | npt.NDArray[np.uint32], output_len: int
+) -> npt.NDArray[np.uint32]:
+    """The tokens whose KV a request of ``output_len`` generated tokens leaves cached:
+    the prompt and every output token but the last (its KV is never computed)."""
+    return np.concatenate((np.asarray(prompt, dtype=np.uint32), output_ids(output_len - 1)))
 
 
 def block_keys_array(tokens: Sequence[int] | npt.NDArray[np.uint32], block_size: int) -> np.ndarray:
@@ -133,10 +161,19 @@ def block_keys(tokens: Sequence[int] | npt.NDArray[np.uint32], block_size: int) 
 
 @dataclass(slots=True)
 class Handle:
-    """The blocks a running request pins; give it back to ``PrefixCache.release``."""
+    """The blocks a running request pins; give it back to ``PrefixCache.release``.
+
+    ``seq_keys`` are the keys of every full block its sequence will have (prompt, then
+    output), ``filled`` how many of them the sequence has reached so far; ``tokens`` is
+    the sequence (only kept for store events); ``stalled`` once a block did not fit (no
+    later block can be cached: its chain is broken)."""
 
     keys: list[int]
     generation: int
+    seq_keys: list[int] = field(default_factory=list)
+    filled: int = 0
+    tokens: npt.NDArray[np.uint32] | None = None
+    stalled: bool = False
 
 
 class PrefixCache:
@@ -215,14 +252,17 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ updates
 
-    def admit(self, tokens: Sequence[int] | npt.NDArray[np.uint32]) -> tuple[int, Handle]:
-        """Start a request: count its cached prefix, store its missing blocks, pin them all.
+    def admit(
+        self, tokens: Sequence[int] | npt.NDArray[np.uint32], output_len: int = 1
+    ) -> tuple[int, Handle]:
+        """Start a request: count its cached prefix, store its missing prompt blocks, pin
+        them all; the blocks its ``output_len`` generated tokens fill come with ``grow``.
 
         Returns ``(cached_tokens, handle)``. If not every block fits (everything else
         pinned), as many leading blocks as fit are cached and pinned.
         """
-        keys = block_keys(tokens, self.block_size)
-        return self.admit_keys(keys, len(tokens), tokens)
+        seq = sequence(tokens, output_len)
+        return self.admit_keys(block_keys(seq, self.block_size), len(tokens), seq)
 
     def admit_keys(
         self,
@@ -230,11 +270,15 @@ class PrefixCache:
         n_tokens: int,
         tokens: Sequence[int] | npt.NDArray[np.uint32] | None = None,
     ) -> tuple[int, Handle]:
-        """``admit`` with precomputed ``block_keys`` (the simulator's fast path).
-
-        ``tokens`` is needed only for the store callback.
+        """``admit`` with precomputed keys (the simulator's fast path): ``keys`` of the
+        full blocks of the whole sequence (``block_keys(sequence(prompt, output_len))``),
+        or of the prompt alone for a request whose output takes no blocks; ``n_tokens``
+        is the prompt's length. ``tokens`` (the sequence) is needed only for store events.
         """
         lru = self._lru
+        n_prompt = min(n_tokens // self.block_size, len(keys))
+        seq_keys = keys
+        keys = seq_keys[:n_prompt] if n_prompt < len(seq_keys) else seq_keys
         # Bulk operations (map/update run their loops in C): this is the simulator's hot path.
         flags = list(map(lru.__contains__, keys))
         if all(flags):
@@ -260,13 +304,62 @@ class PrefixCache:
                 missing = missing[: max(room, 0)]  # the leading blocks that fit
             _drain(map(lru.__setitem__, missing, repeat(None)))
             self._acq.update(missing)
-        pinned = keys if len(present) + len(missing) == len(keys) else [k for k in keys if k in lru]
+        complete = len(present) + len(missing) == len(keys)
+        pinned = list(keys) if complete else [k for k in keys if k in lru]
         if removed and self.on_remove is not None:
             self.on_remove(removed)
         if missing and self.on_store is not None and tokens is not None:
             stored = set(missing)
             self._emit_stored(keys, [i for i, k in enumerate(keys) if k in stored], tokens)
-        return cached, Handle(list(pinned), self._generation)
+        handle = Handle(pinned, self._generation)
+        if len(seq_keys) > n_prompt:
+            handle.seq_keys = seq_keys
+            handle.filled = n_prompt
+            handle.stalled = not complete
+            if self.on_store is not None and tokens is not None:
+                handle.tokens = np.asarray(tokens)
+        return cached, handle
+
+    def next_fill(self, handle: Handle) -> int | None:
+        """Sequence length (prompt + output tokens whose KV is computed) at which the
+        request fills its next block, or None if none is left to fill."""
+        if handle.filled >= len(handle.seq_keys):
+            return None
+        return (handle.filled + 1) * self.block_size
+
+    def grow(self, handle: Handle, n_tokens: int) -> None:
+        """The request's KV now covers ``n_tokens`` of its sequence: store and pin the
+        blocks it filled since the last call, evicting unpinned blocks as needed.
+
+        A block already cached (the same sequence ran before) is pinned, not stored
+        again. A block that does not fit is not cached, nor is any after it."""
+        upto = min(n_tokens // self.block_size, len(handle.seq_keys))
+        first = handle.filled
+        if upto <= first or handle.generation != self._generation:
+            return
+        handle.filled = upto
+        if handle.stalled:
+            return
+        lru = self._lru
+        acq = self._acq
+        removed: list[int] = []
+        stored: list[int] = []
+        for i in range(first, upto):
+            k = handle.seq_keys[i]
+            if k not in lru:
+                if len(lru) >= self.capacity_blocks:
+                    self._evict(len(lru) - self.capacity_blocks + 1, removed)
+                if len(lru) >= self.capacity_blocks:
+                    handle.stalled = True
+                    break
+                lru[k] = None
+                stored.append(i)
+            acq[k] += 1  # pinned at once: making room for the next block must not evict it
+            handle.keys.append(k)
+        if removed and self.on_remove is not None:
+            self.on_remove(removed)
+        if stored and self.on_store is not None and handle.tokens is not None:
+            self._emit_stored(handle.seq_keys, stored, handle.tokens)
 
     def _evict(self, n: int, removed: list[int]) -> None:
         """Evict up to ``n`` unpinned blocks from the head of the LRU order.
@@ -305,6 +398,8 @@ class PrefixCache:
             self._acq.clear()  # nothing pinned: forget the counts
             self._rel.clear()
         handle.keys = []
+        handle.seq_keys = []
+        handle.tokens = None
 
     def clear(self) -> None:
         """Drop every block (a prefix-cache reset); outstanding handles become no-ops."""

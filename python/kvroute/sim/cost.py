@@ -33,9 +33,11 @@ Defaults and where they come from:
   has left after the weights, so that cache pressure shows at benchmark sizes.
 * ``block_size = 16``: vLLM's default KV block size.
 
-Only prompt blocks are cached (generated tokens are not), and a request whose blocks do
-not fit next to the pinned blocks of running requests is still served; the blocks that do
-not fit are simply not cached (no preemption is modelled).
+Generated tokens take cache blocks as prompt tokens do (``sim.cache``: each block the
+prompt + output sequence fills is cached and pinned while the request runs, then stays
+evictable), so long outputs compete with prompts for ``capacity_tokens``. A request whose
+blocks do not fit next to the pinned blocks of running requests is still served at the
+same cost; the blocks that do not fit are simply not cached (no preemption is modelled).
 """
 
 from __future__ import annotations

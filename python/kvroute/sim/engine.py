@@ -10,7 +10,9 @@ simulator (``sim.fleet``) does, with real (scaled) sleeps instead of a virtual c
 3. wait for the prefill engine (one prefill at a time, FIFO), sleep
    ``prefill_s(uncached)``; the first token is out;
 4. the other tokens follow every ``decode_interval_s(batch)``, ``batch`` = requests
-   running when it was admitted;
+   running when it was admitted; the engine wakes whenever the sequence fills a block
+   (``PrefixCache.grow`` stores and pins it, with its events) and, when streaming, every
+   ``stream_interval`` tokens to send them;
 5. finished (or cancelled: client gone): the blocks are unpinned, the slot freed.
 
 Time: every sleep is model time divided by ``time_scale`` (S=10 runs 10x faster than real
@@ -19,8 +21,10 @@ time). Everything the worker *reports* (``/sim/stats``, ``meta_info.e2e_latency`
 time / S plus HTTP and router overhead, so it multiplies its wall times by S to compare,
 and every millisecond of real overhead then counts as S model milliseconds: keep S small
 (<= 5) when client-side latencies are the result, or use the worker's own numbers.
-Output tokens are deterministic filler (``FILLER``); ``output_len`` is exactly what the
-request asked for (as with ``ignore_eos``).
+Output tokens are deterministic filler (``FILLER``, token IDs ``cache.OUTPUT_TOKEN_IDS``);
+``output_len`` is exactly what the request asked for (as with ``ignore_eos``). With
+``output_blocks`` off, generated tokens take no cache blocks (the model before vLLM's
+decode-block caching was simulated; kept to measure what those blocks change).
 """
 
 from __future__ import annotations
@@ -32,12 +36,12 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvroute.sim.cache import PrefixCache
+from kvroute.sim.cache import OUTPUT_TOKEN_IDS, PrefixCache
 from kvroute.sim.cost import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_TOKENS, CostModel
 from kvroute.sim.events import KVEventPublisher
 
 FILLER = (" the", " quick", " brown", " fox", " jumps", " over", " a", " lazy", " dog", " again")
-FILLER_IDS = (279, 3974, 13876, 38835, 34208, 916, 264, 15678, 5679, 1549)
+FILLER_IDS = OUTPUT_TOKEN_IDS
 MIN_WAKE_S = 0.005  # stream tokens in groups rather than wake more often than this
 
 
@@ -63,10 +67,16 @@ class SimConfig:
     kv_events_topic: str = ""
     kv_events_replay_endpoint: str | None = None
     request_log_size: int = 10_000
+    # Tokens per streamed chunk after the first (vLLM's --stream-interval); fewer chunks
+    # keep a benchmark's client and router from being the bottleneck on long outputs.
+    stream_interval: int = 1
+    output_blocks: bool = True  # generated tokens take cache blocks (vLLM does)
 
     def validate(self) -> SimConfig:
         if self.time_scale <= 0:
             raise ValueError("--time-scale must be > 0")
+        if self.stream_interval < 1:
+            raise ValueError("--stream-interval must be >= 1")
         if self.block_size < 1 or self.capacity_tokens < 0:
             raise ValueError("--block-size must be >= 1 and --capacity-tokens >= 0")
         if self.text_codec not in ("bytes", "codepoints"):
@@ -165,10 +175,12 @@ class SimEngine:
         """Serve one request; yields the number of output tokens out so far (1 first,
         ``run.output_len`` last). Close it (``contextlib.aclosing``) if abandoned.
 
-        ``stream=False`` sleeps once from the first to the last token (same timing,
-        fewer wake-ups); streaming groups tokens so it wakes at most every
-        ``MIN_WAKE_S`` of wall time, without delaying the last token."""
+        ``stream=False`` yields only the first and the last token; streaming yields every
+        ``stream_interval`` tokens, grouped further so that it wakes at most every
+        ``MIN_WAKE_S`` of wall time, without delaying the last token. Either way the
+        engine also wakes when the sequence fills a block, to cache it."""
         scale = self.scale
+        cache = self.cache
         t0 = time.perf_counter()
         self.waiting += 1
         admitted = False
@@ -181,7 +193,9 @@ class SimEngine:
             run.batch = self.running
             t_admit = time.perf_counter()
             run.queue_s = (t_admit - t0) * scale
-            run.cached_tokens, handle = self.cache.admit(tokens)
+            run.cached_tokens, handle = cache.admit(
+                tokens, run.output_len if self.config.output_blocks else 1
+            )
             self._flush_events()
             self.prompt_tokens += run.prompt_tokens
             async with self._prefill:
@@ -194,20 +208,30 @@ class SimEngine:
             yield 1
             interval = self.cost.decode_interval_s(run.batch) / scale
             total = run.output_len
+            n = run.prompt_tokens
+            step = self.config.stream_interval if stream else total
             last_due = t_first + (total - 1) * interval
+            sent = 1
             while run.output_tokens < total:
+                # Wake for the next chunk to send or the next block to cache, if sooner.
+                target = min(total, sent + step)
+                fill = cache.next_fill(handle)
+                if fill is not None:
+                    target = min(target, max(fill - n + 1, run.output_tokens + 1))
                 now = time.perf_counter()
-                if stream:
-                    wait = max(t_first + run.output_tokens * interval - now, MIN_WAKE_S)
-                    wait = min(wait, last_due - now)
-                else:
-                    wait = last_due - now
+                wait = max(t_first + (target - 1) * interval - now, MIN_WAKE_S)
+                wait = min(wait, last_due - now)
                 if wait > 0:
                     await asyncio.sleep(wait)
                 elapsed = time.perf_counter() - t_first
                 out = total if interval <= 0 else min(total, 1 + int(elapsed / interval + 1e-9))
                 run.output_tokens = max(out, run.output_tokens + 1)
-                yield run.output_tokens
+                # The KV of every output token but the newest is computed by now.
+                cache.grow(handle, n + run.output_tokens - 1)
+                self._flush_events()
+                if run.output_tokens >= min(total, sent + step):
+                    sent = run.output_tokens
+                    yield sent
             run.e2e_s = (time.perf_counter() - t0) * scale
             run.finished = True
         finally:

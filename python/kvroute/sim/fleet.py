@@ -13,9 +13,19 @@ instead of sleeps:
   which takes ``cost.prefill_s(uncached)``; its first token is out at the end of it;
 * the remaining tokens come at ``cost.decode_interval_s(batch)`` where ``batch`` is the
   number running on the worker when it was admitted (decode batching, approximated);
+* each time the sequence (prompt + output) fills a block, an event stores and pins it
+  (``PrefixCache.grow``), evicting as admission does: generated tokens take capacity
+  from cached prompts as in vLLM (``FleetConfig.output_blocks``, on by default);
 * completion unpins the blocks, releases the load and admits the next waiting request.
 
-Block keys are computed once per request (``prepare``) and reused by every policy run.
+Precise mode: a policy written ``cache_aware+events`` gets a ``BlockIndex`` that every
+worker's cache reports into as it stores, evicts and clears blocks (the events the sim
+worker publishes, applied at once: no wire, no loss, no delay), and routes on it as the
+router does with ``--kv-events`` and every worker ``precise``. The HTTP benchmark shows
+the delay: a block is known only once its event crossed ZMQ.
+
+Block keys of every request's whole sequence (prompt, then the output the simulated
+engine generates) are computed once (``prepare``) and reused by every policy run.
 The upper bound is one infinite cache shared by the whole fleet: the leading blocks of
 each prompt already seen in an earlier prompt, over all prompt tokens.
 """
@@ -31,15 +41,44 @@ from typing import Any, cast
 
 import numpy as np
 
-from kvroute._native import PrefixIndex
+from kvroute._native import BlockIndex, PrefixIndex
 from kvroute.engine_load import CapacityLearner
 from kvroute.policies.base import Policy, RouteRequest
-from kvroute.sim.cache import Handle, PrefixCache, block_keys_batch
+from kvroute.sim.cache import Handle, PrefixCache, block_keys_batch, sequence
 from kvroute.sim.cost import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_TOKENS, CostModel
 from kvroute.sim.report import ResultRow, summarize
 from kvroute.sim.workloads import Request
 
 PolicyFactory = Callable[[PrefixIndex], Policy]
+EVENTS_SUFFIX = "+events"
+
+
+class InstantEvents:
+    """Precise mode in virtual time: caches report straight into a ``BlockIndex``; every
+    worker is trusted (the ``PreciseSource`` the policy asks)."""
+
+    def __init__(self, workers: Sequence[str]) -> None:
+        self.index = BlockIndex()
+        self.trusted = set(workers)
+
+    def match(self, tokens: Sequence[int]) -> tuple[dict[str, int], set[str]]:
+        return self.index.match(tokens), self.trusted
+
+    def cache(self, worker: str, capacity_tokens: int, block_size: int) -> PrefixCache:
+        index = self.index
+
+        def stored(hashes: list[int], parent: int | None, ids: list[int], bs: int) -> None:
+            index.stored(worker, parent, hashes, ids, bs)
+
+        def removed(hashes: list[int]) -> None:
+            index.removed(worker, hashes)
+
+        def cleared() -> None:
+            index.clear_worker(worker)
+
+        return PrefixCache(
+            capacity_tokens, block_size, on_store=stored, on_remove=removed, on_clear=cleared
+        )
 
 
 @dataclass(slots=True)
@@ -54,11 +93,14 @@ class FleetConfig:
     # cache_aware learns each worker's capacity when it is first seen queueing (the
     # router does so at its next /metrics poll; here at once).
     learn_capacity: bool = False
+    # Generated tokens take cache blocks (vLLM); off: only prompts are cached.
+    output_blocks: bool = True
 
 
 @dataclass(slots=True)
 class Prepared:
-    """A workload sorted by arrival, with each prompt's block keys computed once."""
+    """A workload sorted by arrival, with the block keys of each request's sequence
+    (``cache.sequence``: prompt, then output) computed once; the prompt's come first."""
 
     requests: list[Request]
     keys: list[np.ndarray]
@@ -69,9 +111,15 @@ class Prepared:
         return sum(len(r.tokens) for r in self.requests)
 
 
-def prepare(requests: Sequence[Request], block_size: int = DEFAULT_BLOCK_SIZE) -> Prepared:
+def prepare(
+    requests: Sequence[Request], block_size: int = DEFAULT_BLOCK_SIZE, chunk: int = 1024
+) -> Prepared:
     reqs = sorted(requests, key=lambda r: r.arrival_s)
-    return Prepared(reqs, block_keys_batch([r.tokens for r in reqs], block_size), block_size)
+    keys: list[np.ndarray] = []
+    for i in range(0, len(reqs), chunk):  # sequences built a chunk at a time (memory)
+        seqs = [sequence(r.tokens, r.output_len) for r in reqs[i : i + chunk]]
+        keys += block_keys_batch(seqs, block_size)
+    return Prepared(reqs, keys, block_size)
 
 
 def upper_bound(prep: Prepared) -> float:
@@ -87,6 +135,7 @@ def upper_bound(prep: Prepared) -> float:
     for req, keys in zip(prep.requests, prep.keys, strict=True):
         n = len(req.tokens)
         total += n
+        keys = keys[: n // bs]  # the prompt's blocks
         lo, hi = 0, len(keys)  # keys[:lo] seen, keys[hi:] not seen
         while lo < hi:
             mid = (lo + hi) // 2
@@ -108,7 +157,7 @@ def _factory(policy: str | PolicyFactory, cfg: FleetConfig) -> tuple[str, Policy
         return getattr(policy, "name", "custom"), policy
     from kvroute.policies import create_policy
 
-    name = policy
+    name = policy.removesuffix(EVENTS_SUFFIX)
     settings = dict(cfg.policy_settings)
     settings.setdefault("seed", 0)
     return name, lambda index: create_policy(name, index, **settings)
@@ -140,7 +189,16 @@ def simulate(
         pol.capacities = learner.capacities  # type: ignore[attr-defined]
     widx = {w: i for i, w in enumerate(names)}
     nw = cfg.workers
-    caches = [PrefixCache(cfg.capacity_tokens, cfg.block_size) for _ in range(nw)]
+    events: InstantEvents | None = None
+    if isinstance(policy, str) and policy.endswith(EVENTS_SUFFIX):
+        if not hasattr(pol, "precise"):
+            raise ValueError(f"{pname}: only cache_aware has a precise mode")
+        events = InstantEvents(names)
+        pol.precise = events
+        pname = policy
+        caches = [events.cache(w, cfg.capacity_tokens, cfg.block_size) for w in names]
+    else:
+        caches = [PrefixCache(cfg.capacity_tokens, cfg.block_size) for _ in range(nw)]
     cost = cfg.cost
     max_batch = cost.max_batch
     loads: dict[str, int] = dict.fromkeys(names, 0)
@@ -159,16 +217,38 @@ def simulate(
     e2e = [0.0] * nreq
     cached_total = 0
     cached_per: list[int] = [0] * nreq if record else []
-    heap: list[tuple[float, int, int]] = []  # (time, request, worker)
+    # (time, request, worker): the request's next block fill, or its completion.
+    heap: list[tuple[float, int, int]] = []
+    first_at = [0.0] * nreq
+    interval = [0.0] * nreq
+    done_at = [0.0] * nreq
     select = pol.select
     decision_ns = 0
     perf = time.perf_counter_ns
+    output_blocks = cfg.output_blocks
+    bs = cfg.block_size
+
+    def schedule(r: int, w: int) -> None:
+        """Push the request's next event: its next block fill, if before completion."""
+        h = handles[r]
+        fill = caches[w].next_fill(h) if h is not None else None
+        if fill is not None:
+            # The KV of output token k is computed when token k + 1 comes out.
+            t = first_at[r] + (fill - len(reqs[r].tokens)) * interval[r]
+            if t < done_at[r]:
+                heapq.heappush(heap, (t, r, w))
+                return
+        heapq.heappush(heap, (done_at[r], r, w))
 
     def admit(w: int, r: int, now: float) -> None:
         nonlocal cached_total
         req = reqs[r]
         n = len(req.tokens)
-        cached, handle = caches[w].admit_keys(keys[r].tolist(), n)
+        rkeys = keys[r] if output_blocks else keys[r][: n // bs]
+        seq = None
+        if events is not None:
+            seq = sequence(req.tokens, req.output_len if output_blocks else 1)
+        cached, handle = caches[w].admit_keys(rkeys.tolist(), n, seq)
         handles[r] = handle
         cached_total += cached
         if record:
@@ -177,10 +257,13 @@ def simulate(
         start = prefill_free[w] if prefill_free[w] > now else now
         first = start + cost.prefill_s(n - cached)
         prefill_free[w] = first
+        first_at[r] = first
+        interval[r] = cost.decode_interval_s(running[w])
         done = first + cost.decode_s(req.output_len, running[w])
+        done_at[r] = done
         ttft[r] = first - req.arrival_s
         e2e[r] = done - req.arrival_s
-        heapq.heappush(heap, (done, r, w))
+        schedule(r, w)
 
     nxt = 0
     while nxt < nreq or heap:
@@ -188,6 +271,13 @@ def simulate(
             now, r, w = heapq.heappop(heap)
             h = handles[r]
             if h is not None:
+                n = len(reqs[r].tokens)
+                if now < done_at[r]:
+                    fill = caches[w].next_fill(h)
+                    caches[w].grow(h, fill if fill is not None else n)
+                    schedule(r, w)
+                    continue
+                caches[w].grow(h, n + reqs[r].output_len - 1)
                 caches[w].release(h)
                 handles[r] = None
             running[w] -= 1
