@@ -162,3 +162,51 @@ def test_prefix_hash_groups_by_leading_tokens() -> None:
 def test_unknown_policy() -> None:
     with pytest.raises(ValueError, match="unknown policy"):
         create_policy("nope", PrefixIndex())
+
+
+class _Reports:
+    """A precise source whose engines have reported nothing yet (all trusted)."""
+
+    def __init__(self, workers: list[str]) -> None:
+        self.trusted = set(workers)
+        self.held: dict[str, int] = {}
+
+    def match(self, tokens: object) -> tuple[dict[str, int], set[str]]:
+        return dict(self.held), self.trusted
+
+
+def test_precise_counts_prompts_routed_but_not_yet_reported() -> None:
+    """An engine reports a prompt's blocks only once it admits the request: until the
+    request ends, what was routed to a trusted worker still counts as held there."""
+    workers = ["a", "b", "c"]
+    policy = create_policy("cache_aware", PrefixIndex())
+    for w in workers:
+        policy.on_worker_added(w)
+    reports = _Reports(workers)
+    policy.precise = reports  # type: ignore[attr-defined]
+    loads = dict.fromkeys(workers, 0)
+    prompt = list(range(1000))
+    first = policy.select(RouteRequest(tokens=prompt), loads)
+    assert first.reason == "cache_miss" and first.ticket is not None
+    loads[first.worker] += 1
+    second = policy.select(RouteRequest(tokens=[*prompt, 7]), loads)
+    assert (second.worker, second.reason) == (first.worker, "cache_hit")
+    assert second.matched_tokens == 1000
+    loads[first.worker] += 1
+    # Both ended and the engine never reported the blocks (say it evicted them at once):
+    # precise mode no longer counts them, unlike the approximate index.
+    policy.on_done(first)
+    policy.on_done(second)
+    third = policy.select(RouteRequest(tokens=[*prompt, 8]), dict.fromkeys(workers, 0))
+    assert third.reason == "cache_miss"
+    # What the engine reports still counts after the request ended.
+    policy.on_done(third)
+    reports.held = {"b": 900}
+    fourth = policy.select(RouteRequest(tokens=[*prompt, 9]), dict.fromkeys(workers, 0))
+    assert (fourth.worker, fourth.reason, fourth.matched_tokens) == ("b", "cache_hit", 900)
+
+
+def test_no_ticket_without_precise_mode() -> None:
+    policy = create_policy("cache_aware", PrefixIndex())
+    policy.on_worker_added("a")
+    assert policy.select(RouteRequest(tokens=[1, 2, 3]), {"a": 0}).ticket is None

@@ -331,3 +331,16 @@ async def test_status_page_needs_the_api_key() -> None:
     finally:
         await client.aclose()
         await close()
+
+
+def test_reservation_release_hook_runs_once() -> None:
+    from kvroute.workers import Registry
+
+    registry = Registry(Settings(worker_urls=[WORKER]).validate())
+    registry.add(WORKER)
+    ended: list[int] = []
+    res = registry.reserve(WORKER, on_release=lambda: ended.append(1))
+    assert registry.workers[WORKER].in_flight == 1
+    res.release()
+    res.release()
+    assert ended == [1] and registry.workers[WORKER].in_flight == 0

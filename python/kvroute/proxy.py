@@ -18,6 +18,7 @@ goes away (which also closes the upstream response).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import re
@@ -177,7 +178,10 @@ class Forwarder:
                 break
             except (ValueError, TypeError) as e:
                 raise BadRequestError(str(e)) from None
-            res = s.registry.reserve(decision.worker)
+            on_release = None
+            if decision.ticket is not None:  # the policy tracks the request until it ends
+                on_release = functools.partial(s.policy.on_done, decision)
+            res = s.registry.reserve(decision.worker, on_release)
             source = "precise" if decision.precise else "approximate"
             s.metrics.decisions.labels(s.policy.name, decision.reason, source).inc()
             if s.policy.name == "cache_aware":

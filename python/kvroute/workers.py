@@ -53,17 +53,22 @@ class Worker:
 class Reservation:
     """One unit of load on one worker; ``release`` is idempotent."""
 
-    __slots__ = ("_registry", "released", "worker")
+    __slots__ = ("_on_release", "_registry", "released", "worker")
 
-    def __init__(self, registry: Registry, worker: Worker) -> None:
+    def __init__(
+        self, registry: Registry, worker: Worker, on_release: Callable[[], None] | None = None
+    ) -> None:
         self._registry = registry
         self.worker = worker
         self.released = False
+        self._on_release = on_release
 
     def release(self) -> None:
         if not self.released:
             self.released = True
             self.worker.in_flight -= 1
+            if self._on_release is not None:
+                self._on_release()
 
 
 class Registry:
@@ -105,11 +110,12 @@ class Registry:
             u: w.in_flight for u, w in self.workers.items() if u not in exclude and w.available(now)
         }
 
-    def reserve(self, url: str) -> Reservation:
+    def reserve(self, url: str, on_release: Callable[[], None] | None = None) -> Reservation:
+        """One unit of load on ``url``; ``on_release`` runs once when it is released."""
         w = self.workers[url]
         w.in_flight += 1
         w.served += 1
-        return Reservation(self, w)
+        return Reservation(self, w, on_release)
 
     def healthy_count(self) -> int:
         now = time.monotonic()

@@ -10,6 +10,8 @@ Calling convention (single-threaded, no ``await`` between the two steps):
    worker URL to its in-flight request count as reserved by the caller.
 2. The caller reserves one unit of load on ``decision.worker`` immediately, before any
    other request is routed, so a burst cannot all see the same idle worker.
+3. When the request ends (whatever ends it), the caller releases the reservation and
+   calls ``policy.on_done(decision)`` once.
 
 ``select`` may update the policy's own state (round-robin cursor, the prefix index:
 ``cache_aware`` inserts the request's tokens for the chosen worker). It raises
@@ -64,6 +66,8 @@ class Decision:
     alternatives: list[str] = field(default_factory=list)
     # True when the match came from engine KV events (precise mode), not predictions.
     precise: bool = False
+    # Set when the policy keeps state for the request until ``on_done`` (precise mode).
+    ticket: str | None = None
 
 
 class Policy(ABC):
@@ -77,6 +81,10 @@ class Policy(ABC):
     @abstractmethod
     def select(self, request: RouteRequest, loads: Mapping[str, int]) -> Decision:
         """Choose a worker among the keys of ``loads`` (healthy workers only)."""
+
+    def on_done(self, decision: Decision) -> None:  # noqa: B027 - optional hook
+        """Called once when the request ``decision`` routed has ended, however it ended
+        (the caller releases its load reservation at the same moment)."""
 
     def on_worker_added(self, worker: str) -> None:  # noqa: B027 - optional hook
         """Called when a worker joins the fleet."""

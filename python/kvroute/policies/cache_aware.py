@@ -24,7 +24,11 @@ worker with no known capacity is never passed over.
 
 Precise mode (``--kv-events``): workers whose KV event stream is trusted are matched
 on what they really cache (``BlockIndex``, whole blocks), the others on the predicted
-index; the thresholds keep their meaning.
+index; the thresholds keep their meaning. An engine reports a prompt's blocks only once
+it admits the request, so a prompt routed to a busy worker is invisible until then and
+the next request with the same prefix would miss it. Until a request ends (the router
+calls ``on_done``), its prompt is also kept in a small index of pending prompts, and a
+trusted worker's match is the longer of what it reports and what is pending on it.
 
 Corrections to SGLang's version: min/max over healthy workers only; ties between
 equally good workers go to the least loaded and then rotate (no "first worker wins",
@@ -69,6 +73,9 @@ class CacheAware(Policy):
         self.capacities: Mapping[str, int] = {}
         self._ties = TieBreaker()
         self.precise: PreciseSource | None = None
+        # Prompts routed and not yet ended, one pseudo-worker "<worker>\0<n>" each.
+        self._pending = PrefixIndex(None)
+        self._tickets = 0
 
     def _precise_match(
         self, tokens: Sequence[int], loads: Mapping[str, int]
@@ -82,6 +89,10 @@ class CacheAware(Policy):
             return None
         approx = self.index.match(tokens)
         per = {w: (exact.get(w, 0) if w in trusted else approx.get(w, 0)) for w in loads}
+        for ticket, n in self._pending.match(tokens).items():
+            w = ticket.partition("\0")[0]
+            if w in trusted and n > per.get(w, -1) and w in loads:
+                per[w] = n
         best = max(per.values(), default=0)
         return best, [w for w, m in per.items() if m == best and m > 0]
 
@@ -126,7 +137,16 @@ class CacheAware(Policy):
             matched = 0 if worker not in healthy else matched
         if n:
             self.index.insert(worker, tokens)
-        return Decision(worker, reason, matched, precise=precise is not None)
+        decision = Decision(worker, reason, matched, precise=precise is not None)
+        if self.precise is not None and n:
+            self._tickets += 1
+            decision.ticket = f"{worker}\0{self._tickets}"
+            self._pending.insert(decision.ticket, tokens)
+        return decision
+
+    def on_done(self, decision: Decision) -> None:
+        if decision.ticket is not None:
+            self._pending.remove_worker(decision.ticket)
 
     def _full(self, worker: str, loads: Mapping[str, int]) -> bool:
         cap = self.worker_capacity

@@ -43,7 +43,7 @@ import numpy as np
 
 from kvroute._native import BlockIndex, PrefixIndex
 from kvroute.engine_load import CapacityLearner
-from kvroute.policies.base import Policy, RouteRequest
+from kvroute.policies.base import Decision, Policy, RouteRequest
 from kvroute.sim.cache import Handle, PrefixCache, block_keys_batch, sequence
 from kvroute.sim.cost import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_TOKENS, CostModel
 from kvroute.sim.report import ResultRow, summarize
@@ -265,6 +265,7 @@ def simulate(
         e2e[r] = done - req.arrival_s
         schedule(r, w)
 
+    open_decisions: dict[int, Decision] = {}  # requests the policy tracks until they end
     nxt = 0
     while nxt < nreq or heap:
         if heap and (nxt >= nreq or heap[0][0] <= arrivals[nxt]):
@@ -282,6 +283,9 @@ def simulate(
                 handles[r] = None
             running[w] -= 1
             loads[names[w]] -= 1
+            ticketed = open_decisions.pop(r, None)
+            if ticketed is not None:
+                pol.on_done(ticketed)
             if queues[w]:
                 admit(w, queues[w].popleft(), now)
             continue
@@ -292,6 +296,8 @@ def simulate(
         decision = select(RouteRequest(tokens=cast(Sequence[int], reqs[r].tokens)), loads)
         decision_ns += perf() - t0
         loads[decision.worker] += 1
+        if decision.ticket is not None:
+            open_decisions[r] = decision
         w = widx[decision.worker]
         assigned[r] = w
         per_worker[w] += 1
