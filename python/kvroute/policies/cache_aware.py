@@ -103,9 +103,7 @@ class CacheAware(Policy):
         lo = min(loads.values())
         hi = max(loads.values())
         if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
-            worker = self._ties.least_loaded(loads)
-            self.index.insert(worker, tokens)
-            return Decision(worker, "imbalance", 0)
+            return self._record(Decision(self._ties.least_loaded(loads), "imbalance"), tokens)
         n = len(tokens)
         precise = self._precise_match(tokens, loads) if n else None
         if precise is not None:
@@ -135,13 +133,16 @@ class CacheAware(Policy):
             worker = self._ties.least_loaded(loads)
             reason = "cache_miss"
             matched = 0 if worker not in healthy else matched
-        if n:
-            self.index.insert(worker, tokens)
-        decision = Decision(worker, reason, matched, precise=precise is not None)
-        if self.precise is not None and n:
-            self._tickets += 1
-            decision.ticket = f"{worker}\0{self._tickets}"
-            self._pending.insert(decision.ticket, tokens)
+        return self._record(Decision(worker, reason, matched, precise=precise is not None), tokens)
+
+    def _record(self, decision: Decision, tokens: Sequence[int]) -> Decision:
+        """The chosen worker now holds ``tokens`` (predicted; pending in precise mode)."""
+        if len(tokens):
+            self.index.insert(decision.worker, tokens)
+            if self.precise is not None:
+                self._tickets += 1
+                decision.ticket = f"{decision.worker}\0{self._tickets}"
+                self._pending.insert(decision.ticket, tokens)
         return decision
 
     def on_done(self, decision: Decision) -> None:
