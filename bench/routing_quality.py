@@ -8,8 +8,10 @@ Output: a Markdown table, ``--json FILE``, and ``--plot FILE.png`` (TTFT CDF per
 
 A policy written ``POLICY+events`` (e.g. ``cache_aware+events``) runs kvroute in precise
 mode: the workers then publish KV events and the router gets ``--kv-events`` for each.
-``--time-scale S`` runs the workers S times faster than real time; reported times are
-model seconds (client wall time x S).
+``--time-scale S`` runs the workers S times faster than model time and replays the
+arrivals S times faster; client times are multiplied back by S (so the router's own
+overhead counts S times: keep S small), and the workers' own TTFT (model time, no router
+or HTTP in it) is printed next to the table.
 
 Usage:
     python bench/routing_quality.py --workload gsp --groups 16 --prompts-per-group 8 \\
@@ -17,6 +19,8 @@ Usage:
     python bench/routing_quality.py --workload llmd --workers 4 --rate 8 --time-scale 2 \\
         --capacity-tokens 308000 --kvroute-args '--max-tree-size 308000' \\
         --policies round_robin,cache_aware,cache_aware+events
+    python bench/routing_quality.py --workload mooncake --workers 8 --time-scale 8 \\
+        --output-cap 16 --peers --worker-args '--capacity-tokens 4000000'
 """
 
 from __future__ import annotations
@@ -31,12 +35,23 @@ from tqdm import tqdm
 from kvroute.quality import installed_peer_specs, kvroute_spec, run_router, start_sim_workers
 from kvroute.sim.fleet import prepare, upper_bound
 from kvroute.sim.report import ResultRow, markdown_table, to_json
-from kvroute.sim.workloads import gsp, llmd, multiturn
+from kvroute.sim.workloads import gsp, llmd, mooncake, multiturn
 
 ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 
 
 def build(args: argparse.Namespace) -> list:  # type: ignore[type-arg]
+    if args.workload == "mooncake":
+        # The trace's own timestamps, compressed by --trace-speedup (model time).
+        reqs = mooncake(args.trace, seed=args.seed, time_scale=args.trace_speedup, limit=args.limit)
+        if args.output_cap:
+            # Fewer streamed chunks per request: a Python router on a small machine then
+            # measures routing, not its own streaming throughput (the cache is unchanged).
+            for r in reqs:
+                r.output_len = min(r.output_len, args.output_cap)
+        return reqs
+    arrivals = "burst" if args.rate <= 0 else "poisson"
     if args.workload == "gsp":
         return gsp(
             args.groups,
@@ -44,8 +59,9 @@ def build(args: argparse.Namespace) -> list:  # type: ignore[type-arg]
             args.system_len,
             args.question_len,
             args.output_len,
+            popularity=args.popularity,
             seed=args.seed,
-            arrivals="poisson",
+            arrivals=arrivals,
             rate=args.rate,
         )
     if args.workload == "llmd":
@@ -56,10 +72,10 @@ def build(args: argparse.Namespace) -> list:  # type: ignore[type-arg]
             args.question_len,
             args.output_len,
             seed=args.seed,
-            arrivals="poisson",
+            arrivals=arrivals,
             rate=args.rate,
         )
-    return multiturn(seed=args.seed, arrivals="poisson", rate=args.rate)
+    return multiturn(seed=args.seed, arrivals=arrivals, rate=args.rate)
 
 
 def format_counters(counters: dict[str, float]) -> str:
@@ -91,21 +107,32 @@ def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--workload", choices=("gsp", "llmd", "multiturn"), default="gsp")
+    ap.add_argument("--workload", choices=("gsp", "llmd", "multiturn", "mooncake"), default="gsp")
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--groups", type=int, default=16)
     ap.add_argument("--prompts-per-group", type=int, default=8)
     ap.add_argument("--system-len", type=int, default=2048)
     ap.add_argument("--question-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=32)
-    ap.add_argument("--rate", type=float, default=6.0, help="Poisson arrivals per second")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--rate", type=float, default=6.0, help="Poisson arrivals per second (0: all at once)"
+    )
+    ap.add_argument("--popularity", choices=("uniform", "zipf"), default="uniform")
+    ap.add_argument("--trace", default=str(TRACE), help="mooncake: the JSONL trace")
+    ap.add_argument("--limit", type=int, default=None, help="mooncake: first N requests")
+    ap.add_argument(
+        "--output-cap", type=int, default=0, help="mooncake: at most this many output tokens"
+    )
+    ap.add_argument(
+        "--trace-speedup", type=float, default=1.0, help="mooncake: compress the timestamps"
+    )
     ap.add_argument(
         "--time-scale",
         type=float,
         default=1.0,
-        help="run the workers S times faster; times are reported in model seconds",
+        help="run workers and arrivals this many times faster than model time",
     )
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--capacity-tokens",
         type=int,
@@ -137,7 +164,9 @@ def main() -> int:
     rows: list[ResultRow] = []
     samples: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="kvroute-quality-") as logs:
-        worker_args = [*args.worker_args.split(), "--time-scale", str(args.time_scale)]
+        worker_args = args.worker_args.split()
+        if args.time_scale != 1.0:
+            worker_args += ["--time-scale", str(args.time_scale)]
         if args.capacity_tokens is not None:
             worker_args += ["--capacity-tokens", str(args.capacity_tokens)]
         workers = start_sim_workers(
@@ -170,6 +199,14 @@ def main() -> int:
             for w in workers:
                 w.stop()
     print(markdown_table(rows, bound))
+    print("\nTTFT on the workers (model s, p50 / p90 / p99), per-worker requests, errors:")
+    for r in rows:
+        x = r.extra
+        print(
+            f"  {r.name}: {x['worker_ttft_p50']:.3f} / {x['worker_ttft_p90']:.3f} / "
+            f"{x['worker_ttft_p99']:.3f}, "
+            f"{x.get('per_worker')}, {r.errors}"
+        )
     if args.json:
         Path(args.json).write_text(
             to_json(

@@ -1,0 +1,303 @@
+"""Routing quality against real vLLM: the same chat requests through each router in
+front of vLLM CPU replicas of the tiny model, judged by vLLM's own accounting.
+
+Starts ``--replicas`` replicas (``serve.py``, dev mode so ``POST /reset_prefix_cache``
+works, ``--enable-scale-out`` so the vLLM router can render prompts), then for each router
+in turn: resets every replica's prefix cache, reads its counters, starts the router in
+front of the replicas, replays the workload (streaming ``/v1/chat/completions`` at
+Poisson arrival times), stops the router and reads the counters again. Per router:
+
+* hit rate from vLLM's ``/metrics`` (``prefix_cache_hits / prefix_cache_queries``, token
+  counts, deltas over the run) and from the answers'
+  ``usage.prompt_tokens_details.cached_tokens`` (cached / prompt tokens);
+* TTFT p50/p99 as the client sees it (first streamed chunk with a choice);
+* requests per replica (``vllm:request_success`` deltas).
+
+Workload: ``--groups`` system prompts of ~``--system-tokens`` tokens (random words,
+counted with the model's tokenizer), each asked ``--per-group`` distinct questions;
+groups interleaved at random. kvroute gets ``--tokenizer`` (the model's), so it routes
+on the exact token IDs vLLM computes; the peers route on text as they do.
+
+Usage (after ENGINE.md's install and ``make_tiny_model.py``; peers per README):
+    .venv/bin/python bench/engine/quality.py --json bench/results/engine_quality.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serve
+
+from kvroute.peers import PEERS
+from kvroute.procs import Server, free_port
+from kvroute.quality import RouterSpec, start_router
+from kvroute.sim.report import percentile
+
+ROOT = serve.ROOT
+ROUTERS = ("kvroute-round_robin", "kvroute-cache_aware", "sglang", "vllm")
+SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "ta", "shi", "vo", "pe", "zu", "gra", "tel", "om")
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    arrival_s: float
+    group: int
+    messages: list[dict[str, str]]
+
+
+def _words(rng: np.random.Generator, n: int) -> str:
+    lens = rng.integers(1, 4, n)
+    picks = rng.integers(0, len(SYLLABLES), int(lens.sum()))
+    out, i = [], 0
+    for k in lens.tolist():
+        out.append("".join(SYLLABLES[j] for j in picks[i : i + k].tolist()))
+        i += k
+    return " ".join(out)
+
+
+def _text_of_tokens(rng: np.random.Generator, count: Any, n_tokens: int) -> str:
+    """Random words, grown until the tokenizer counts at least ``n_tokens``."""
+    text = ""
+    while count(text) < n_tokens:
+        text += (" " if text else "") + _words(rng, 64)
+    return text
+
+
+def workload(
+    groups: int, per_group: int, system_tokens: int, question_tokens: int, rate: float, seed: int
+) -> list[ChatRequest]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(serve.MODEL / "tokenizer.json"))
+
+    def count(text: str) -> int:
+        return len(tok.encode(text, add_special_tokens=False).ids)
+
+    rng = np.random.default_rng([seed, 11])
+    systems = [f"Group {g}. " + _text_of_tokens(rng, count, system_tokens) for g in range(groups)]
+    order = np.repeat(np.arange(groups), per_group)
+    rng.shuffle(order)
+    gaps = rng.exponential(1.0 / rate, len(order))
+    times = np.cumsum(gaps) - gaps[0]
+    out = []
+    for i, (g, t) in enumerate(zip(order.tolist(), times.tolist(), strict=True)):
+        question = f"Question {i}: " + _text_of_tokens(rng, count, question_tokens)
+        msgs = [{"role": "system", "content": systems[g]}, {"role": "user", "content": question}]
+        out.append(ChatRequest(t, g, msgs))
+    return out
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:]+)(?:\{[^}]*\})?\s+([0-9.eE+-]+)$")
+
+
+def counters(url: str) -> dict[str, float]:
+    """Prefix-cache queries/hits and finished requests from a replica's /metrics."""
+    want = {
+        "vllm:prefix_cache_queries_total": "queries",
+        "vllm:prefix_cache_hits_total": "hits",
+        "vllm:request_success_total": "requests",
+    }
+    out = dict.fromkeys(want.values(), 0.0)
+    text = httpx.get(url + "/metrics", timeout=10, trust_env=False).text
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m and m.group(1) in want:
+            out[want[m.group(1)]] += float(m.group(2))
+    return out
+
+
+async def _one(client: httpx.AsyncClient, url: str, req: ChatRequest, out_len: int) -> dict:  # type: ignore[type-arg]
+    body = {
+        "model": "tiny",
+        "messages": req.messages,
+        "max_tokens": out_len,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    ttft = None
+    usage: dict[str, Any] = {}
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
+            if resp.status_code != 200:
+                return {"status": resp.status_code, "error": (await resp.aread())[:200].decode()}
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                if ttft is None and chunk.get("choices"):
+                    ttft = time.perf_counter() - t0
+                usage = chunk.get("usage") or usage
+    except httpx.HTTPError as e:
+        return {"status": 0, "error": f"{type(e).__name__}: {e}"}
+    details = usage.get("prompt_tokens_details") or {}
+    return {
+        "status": 200,
+        "ttft": ttft if ttft is not None else time.perf_counter() - t0,
+        "prompt_tokens": int(usage.get("prompt_tokens", 0)),
+        "cached_tokens": int(details.get("cached_tokens") or 0),
+    }
+
+
+async def replay(url: str, requests: list[ChatRequest], out_len: int) -> list[dict]:  # type: ignore[type-arg]
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300, connect=10), trust_env=False) as c:
+        t0 = time.perf_counter()
+
+        async def at(req: ChatRequest) -> dict:  # type: ignore[type-arg]
+            await asyncio.sleep(max(req.arrival_s - (time.perf_counter() - t0), 0))
+            return await _one(c, url, req, out_len)
+
+        return list(await asyncio.gather(*(at(r) for r in requests)))
+
+
+def spec_for(name: str) -> RouterSpec:
+    if name.startswith("kvroute-"):
+        policy = name.removeprefix("kvroute-")
+        return RouterSpec(f"kvroute {policy}", "kvroute", policy, ("--tokenizer", str(serve.MODEL)))
+    return RouterSpec(f"{PEERS[name].name} cache_aware", name, "cache_aware")
+
+
+def run_router(
+    name: str, replicas: list[Server], requests: list[ChatRequest], out_len: int, logs: str
+) -> dict[str, Any]:
+    """One router over the whole workload, from cold caches; vLLM's counters judge it."""
+    for r in replicas:
+        httpx.post(r.url + "/reset_prefix_cache", timeout=30, trust_env=False).raise_for_status()
+    before = [counters(r.url) for r in replicas]
+    spec = spec_for(name)
+    router = start_router(spec, [r.url for r in replicas], logs, ROOT)
+    try:
+        outcomes = asyncio.run(replay(router.url, requests, out_len))
+    finally:
+        router.stop()
+    after = [counters(r.url) for r in replicas]
+    delta = {k: sum(a[k] - b[k] for a, b in zip(after, before, strict=True)) for k in before[0]}
+    ok = [o for o in outcomes if o["status"] == 200]
+    ttft = [o["ttft"] for o in ok]
+    prompt = sum(o["prompt_tokens"] for o in ok)
+    return {
+        "name": spec.name,
+        "requests": len(ok),
+        "errors": [o["error"] for o in outcomes if o["status"] != 200][:3],
+        "hit_rate_metrics": delta["hits"] / delta["queries"] if delta["queries"] else 0.0,
+        "hit_rate_usage": sum(o["cached_tokens"] for o in ok) / prompt if prompt else 0.0,
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p99": percentile(ttft, 99),
+        "per_replica": [
+            int(a["requests"] - b["requests"]) for a, b in zip(after, before, strict=True)
+        ],
+        "prompt_tokens": prompt,
+    }
+
+
+def start_replicas(n: int, block_size: int, logs: str) -> list[Server]:
+    opts = serve.ReplicaOptions(
+        block_size=block_size,
+        num_gpu_blocks=None,  # the whole 1 GiB: ~130k tokens of the tiny model, no eviction
+        max_model_len=4096,
+        extra_args=["--enable-scale-out"],
+    )
+    ncpu = os.cpu_count() or 1
+    replicas: list[Server] = []
+    try:
+        for i in range(n):
+            port = free_port()
+            replicas.append(
+                serve.start_replica(
+                    port, i % ncpu, events_endpoint=None, options=opts, scratch=f"{logs}/r{i}"
+                )
+            )
+        # One short request each, so no router pays for a replica's first forward pass.
+        warm = ChatRequest(0.0, -1, [{"role": "user", "content": "warm up"}])
+        for r in replicas:
+            out = asyncio.run(replay(r.url, [warm], 2))[0]
+            if out["status"] != 200:
+                raise RuntimeError(f"{r.url} failed a warm-up request: {out}")
+    except BaseException:
+        for r in replicas:
+            r.stop()
+        raise
+    return replicas
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| router/policy | hit rate (vLLM /metrics) | hit rate (cached_tokens) "
+        "| TTFT p50 / p99 (s) | requests per replica |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['name']} | {r['hit_rate_metrics']:.1%} | {r['hit_rate_usage']:.1%} "
+            f"| {r['ttft_p50']:.3f} / {r['ttft_p99']:.3f} "
+            f"| {'/'.join(map(str, r['per_replica']))} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--replicas", type=int, default=3)
+    ap.add_argument("--groups", type=int, default=6)
+    ap.add_argument("--per-group", type=int, default=6)
+    ap.add_argument("--system-tokens", type=int, default=1500)
+    ap.add_argument("--question-tokens", type=int, default=40)
+    ap.add_argument("--output-tokens", type=int, default=8)
+    ap.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second")
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--routers", default=",".join(ROUTERS), help=f"from: {', '.join(ROUTERS)}")
+    ap.add_argument("--json", default=None, help="write the rows as JSON to this file")
+    args = ap.parse_args(argv)
+    missing = serve.engine_available()
+    if missing:
+        sys.exit(missing)
+    names = [n for n in args.routers.split(",") if n]
+    for n in names:
+        if not n.startswith("kvroute-") and not PEERS[n].installed(ROOT):
+            sys.exit(f"{n} not installed: {PEERS[n].install_hint()}")
+    requests = workload(
+        args.groups,
+        args.per_group,
+        args.system_tokens,
+        args.question_tokens,
+        args.rate,
+        args.seed,
+    )
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kvroute-engine-") as logs:
+        replicas = start_replicas(args.replicas, args.block_size, logs)
+        try:
+            for name in names:
+                rows.append(run_router(name, replicas, requests, args.output_tokens, logs))
+                print(f"done: {rows[-1]['name']}", file=sys.stderr, flush=True)
+        finally:
+            for r in replicas:
+                r.stop()
+    print(table(rows))
+    if args.json:
+        meta = {k: v for k, v in vars(args).items() if k != "json"}
+        Path(args.json).write_text(json.dumps({**meta, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
