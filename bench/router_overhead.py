@@ -133,11 +133,12 @@ async def worker_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def run_worker(port: int) -> None:
+def serve_asgi(app: Any, port: int) -> None:
+    """Run ``app`` on loopback the way kvroute serves (uvloop, httptools, no access log)."""
     import uvicorn
 
     uvicorn.run(
-        worker_app,
+        app,
         host="127.0.0.1",
         port=port,
         log_level="warning",
@@ -145,6 +146,10 @@ def run_worker(port: int) -> None:
         http="httptools",
         access_log=False,
     )
+
+
+def run_worker(port: int) -> None:
+    serve_asgi(worker_app, port)
 
 
 def run_floor_proxy(port: int, upstreams: list[str], pools: bool) -> None:
@@ -157,7 +162,6 @@ def run_floor_proxy(port: int, upstreams: list[str], pools: bool) -> None:
     import itertools
 
     import httpx
-    import uvicorn
 
     turn = itertools.cycle(upstreams)
     client: httpx.AsyncClient | None = None
@@ -195,15 +199,7 @@ def run_floor_proxy(port: int, upstreams: list[str], pools: bool) -> None:
         await send({"type": "http.response.start", "status": r.status_code, "headers": headers})
         await send({"type": "http.response.body", "body": r.content})
 
-    uvicorn.run(
-        app,
-        host="127.0.0.1",
-        port=port,
-        log_level="warning",
-        loop="uvloop",
-        http="httptools",
-        access_log=False,
-    )
+    serve_asgi(app, port)
 
 
 # --------------------------------------------------------------------------- load clients
