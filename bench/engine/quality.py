@@ -181,7 +181,7 @@ def run_router(
         httpx.post(r.url + "/reset_prefix_cache", timeout=30, trust_env=False).raise_for_status()
     before = [counters(r.url) for r in replicas]
     spec = spec_for(name)
-    router = start_router(spec, [r.url for r in replicas], logs, ROOT)
+    router = start_router(spec, replicas, logs, ROOT)
     try:
         outcomes = asyncio.run(replay(router.url, requests, out_len))
     finally:
