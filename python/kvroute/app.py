@@ -12,7 +12,7 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
@@ -38,7 +38,7 @@ from kvroute.errors import (
     UnauthorizedError,
     error_response,
 )
-from kvroute.fastpath import RouterApp
+from kvroute.fastpath import INFERENCE_PATHS, RouterApp
 from kvroute.metrics import RouterMetrics
 from kvroute.policies import Policy, create_policy
 from kvroute.proxy import Forwarder, ProxyStream, parse_object, read_body
@@ -368,17 +368,17 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
 
     app.inference = inference
 
-    @app.post("/v1/chat/completions", openapi_extra=OPENAI_BODY)
-    async def chat(request: Request) -> Response:
-        return await inference(request, "chat", "/v1/chat/completions")
+    # RouterApp serves these paths directly; registered here too so that the OpenAPI
+    # schema lists them (and a mounted app, whose paths differ, still routes them).
+    def endpoint(kind: str, worker_path: str) -> Callable[[Request], Awaitable[Response]]:
+        async def handle(request: Request) -> Response:
+            return await inference(request, kind, worker_path)
 
-    @app.post("/v1/completions", openapi_extra=OPENAI_BODY)
-    async def completions(request: Request) -> Response:
-        return await inference(request, "completions", "/v1/completions")
+        handle.__name__ = kind
+        return handle
 
-    @app.post("/generate", openapi_extra=OPENAI_BODY)
-    async def generate(request: Request) -> Response:
-        return await inference(request, "generate", "/generate")
+    for route_path, route in INFERENCE_PATHS.items():
+        app.add_api_route(route_path, endpoint(*route), methods=["POST"], openapi_extra=OPENAI_BODY)
 
     # ------------------------------------------------------------- fleet
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvroute.commands.simulate import add_output_blocks_flag
 from kvroute.sim import cost
 
 
@@ -79,13 +80,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         default=1,
         help="output tokens per streamed chunk after the first, like vLLM's (default %(default)s)",
     )
-    p.add_argument(
-        "--no-output-blocks",
-        dest="output_blocks",
-        action="store_false",
-        help="generated tokens take no KV cache blocks (vLLM caches them; this is for "
-        "measuring what they change)",
-    )
+    add_output_blocks_flag(p)
     p.add_argument(
         "--kv-events-endpoint",
         default=None,

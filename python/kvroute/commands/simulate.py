@@ -15,6 +15,17 @@ from typing import Any
 from kvroute.sim import cost as c
 
 
+def add_output_blocks_flag(p: argparse.ArgumentParser) -> None:
+    """``--no-output-blocks``: the cache model's switch (shared with ``sim-worker``)."""
+    p.add_argument(
+        "--no-output-blocks",
+        dest="output_blocks",
+        action="store_false",
+        help="generated tokens take no KV cache blocks (vLLM caches them; this is for "
+        "measuring what they change)",
+    )
+
+
 def add_fleet_args(p: argparse.ArgumentParser) -> None:
     """Fleet and cost-model flags (shared with ``kvroute analyze``)."""
     p.add_argument("--workers", type=int, default=8, help="simulated workers (default: 8)")
@@ -30,13 +41,7 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
         help="the router's index budget per worker in tokens (default: unbounded, as serve)",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--no-output-blocks",
-        dest="output_blocks",
-        action="store_false",
-        help="generated tokens take no KV cache blocks (vLLM caches them; this is for "
-        "measuring what they change)",
-    )
+    add_output_blocks_flag(p)
     p.add_argument(
         "--worker-capacity",
         default="auto",
