@@ -313,7 +313,7 @@ class Forwarder:
             async with asyncio.timeout_at(
                 asyncio.get_running_loop().time() + (deadline - time.monotonic())
             ):
-                async for chunk in upstream.aiter_raw():
+                async for chunk in upstream.aiter_bytes():
                     if b'"cached_tokens"' in chunk:
                         self._reuse(chunk, predicted, source)
                     yield chunk
