@@ -74,8 +74,8 @@ def test_no_router_5xx(route: str, body: bytes, method: str) -> None:
         async with app.router.lifespan_context(app):
             state = app.state.router
             await state.client.aclose()
-            state.client = httpx.AsyncClient(
-                transport=httpx.MockTransport(
+            state.use_transport(
+                httpx.MockTransport(
                     lambda r: httpx.Response(200, json={"choices": [{"text": "ok"}]})
                 )
             )

@@ -34,7 +34,7 @@ async def make_client(
     await ctx.__aenter__()
     state = app.state.router
     await state.client.aclose()
-    state.client = httpx.AsyncClient(transport=mock_worker(calls))
+    state.use_transport(mock_worker(calls))
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
     return client, lambda: ctx.__aexit__(None, None, None), state
 
@@ -175,7 +175,7 @@ async def test_admission_queue_overflow_is_429() -> None:
     async with app.router.lifespan_context(app):
         state = app.state.router
         await state.client.aclose()
-        state.client = httpx.AsyncClient(transport=httpx.MockTransport(slow))
+        state.use_transport(httpx.MockTransport(slow))
         async with httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://r"
         ) as c:
@@ -264,7 +264,7 @@ async def test_a_request_never_retries_a_worker_that_failed_it(failing: int) -> 
     async with app.router.lifespan_context(app):
         state = app.state.router
         await state.client.aclose()
-        state.client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
+        state.use_transport(httpx.MockTransport(handle))
 
         async def revive() -> None:
             while True:

@@ -45,7 +45,7 @@ from kvroute.proxy import Forwarder, ProxyStream, parse_object, read_body
 from kvroute.status import counter_totals
 from kvroute.status import render as render_status
 from kvroute.tokenization import PromptTokenizer
-from kvroute.upstream import PerWorkerPools, create_client
+from kvroute.upstream import Forward, PerWorkerPools, create_client
 from kvroute.workers import Registry
 
 log = logging.getLogger("kvroute.app")
@@ -69,6 +69,7 @@ class RouterState:
     admission: Admission
     client: httpx.AsyncClient = field(init=False)
     pools: PerWorkerPools | None = None  # the client's per-worker transport
+    forward: Forward = field(init=False)  # inference requests: straight to ``pools``
     started: float = field(default_factory=time.time)
     events: Any = None  # kvroute.events.EventTracker in precise mode
     capacity: CapacityLearner | None = None  # learned worker capacities (guard on auto)
@@ -76,6 +77,11 @@ class RouterState:
     # Set by ``kvroute serve`` on SIGTERM: the server stops accepting and, once the grace
     # period runs out, cancels what is still in flight.
     draining: bool = False
+
+    def use_transport(self, transport: httpx.AsyncBaseTransport) -> None:
+        """Send all upstream traffic through ``transport`` (tests: a mock worker)."""
+        self.client = httpx.AsyncClient(transport=transport)
+        self.forward = Forward(self.client, transport)
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -258,6 +264,7 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
             first_byte_s=s.first_byte_timeout_secs,
             pool_s=s.queue_timeout_secs,
         )
+        state.forward = Forward(state.client, state.pools)
         task = asyncio.create_task(health_loop(state))
         if state.subscriber is not None:
             await asyncio.to_thread(state.subscriber.start)

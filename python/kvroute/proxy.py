@@ -203,10 +203,7 @@ class Forwarder:
                 # --request-timeout-secs bounds the whole request, the wait for the first
                 # byte included (the first-byte timeout may be the longer of the two).
                 async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
-                    upstream = await s.client.send(
-                        s.client.build_request("POST", url, content=body, headers=headers),
-                        stream=True,
-                    )
+                    upstream = await s.forward.post(url, body, headers)
             except TimeoutError:
                 res.release()
                 raise GatewayTimeoutError(
