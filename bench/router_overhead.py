@@ -12,8 +12,11 @@ and answers a fixed chat completion) receive the same load five ways:
                   ``/v1/chat/completions/render`` on the workers, which these lack)
 * ``floor``       the smallest proxy on kvroute's stack (uvicorn + one shared stock
                   httpx.AsyncClient, forwarding in turn, nothing else)
-* ``floor_pools`` the same with kvroute's upstream client (a pool per worker, lean
-                  headers): what kvroute_rr costs above it is kvroute's own logic
+* ``floor_pools`` the same with kvroute's upstream path (``kvroute.upstream.Forward``
+                  over its per-worker HTTP/1.1 pools): what kv_rr costs above it is
+                  kvroute's own logic
+* ``kv_bytes``    kvroute cache_aware without ``--tokenizer``: routes on the prompt's
+                  UTF-8 bytes, as SGLang's router routes on characters
 * ``base_cache``, ``base_rr``  optional: the kvroute of ``--baseline-python`` (an
                   earlier build in another virtual environment), to measure a change
                   against its baseline in the same run
@@ -165,17 +168,19 @@ def run_floor_proxy(port: int, upstreams: list[str], pools: bool) -> None:
 
     turn = itertools.cycle(upstreams)
     client: httpx.AsyncClient | None = None
+    forward: Any = None  # pools: kvroute.upstream.Forward, as kvroute forwards
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        nonlocal client
+        nonlocal client, forward
         if scope["type"] == "lifespan":
             while True:
                 msg = await receive()
                 if msg["type"] == "lifespan.startup":
                     if pools:
-                        from kvroute.upstream import create_client
+                        from kvroute.upstream import Forward, create_client
 
-                        client, _ = create_client(connect_s=5, first_byte_s=60, pool_s=30)
+                        client, transport = create_client(connect_s=5, first_byte_s=60, pool_s=30)
+                        forward = Forward(client, transport)
                     else:
                         client = httpx.AsyncClient(
                             limits=httpx.Limits(max_connections=1024), trust_env=False
@@ -190,11 +195,12 @@ def run_floor_proxy(port: int, upstreams: list[str], pools: bool) -> None:
             msg = await receive()
             chunks.append(msg.get("body", b""))
             more = msg.get("more_body", False)
-        r = await client.post(
-            next(turn) + scope["path"],
-            content=b"".join(chunks),
-            headers={"content-type": "application/json"},
-        )
+        url, body = next(turn) + scope["path"], b"".join(chunks)
+        if forward is not None:
+            r = await forward.post(url, body, {"content-type": "application/json"})
+            await r.aread()
+        else:
+            r = await client.post(url, content=body, headers={"content-type": "application/json"})
         headers = [(b"content-type", r.headers.get("content-type", "").encode())]
         await send({"type": "http.response.start", "status": r.status_code, "headers": headers})
         await send({"type": "http.response.body", "body": r.content})
@@ -405,7 +411,7 @@ def pct(xs: list[float], q: float) -> float:
 
 # kvroute targets; base_* run the kvroute installed for --baseline-python (an earlier
 # build), so a change is measured against its baseline in the same run.
-KVROUTE_TARGETS = ("kv_cache", "kv_rr", "base_cache", "base_rr")
+KVROUTE_TARGETS = ("kv_cache", "kv_rr", "kv_bytes", "base_cache", "base_rr")
 
 
 def start_targets(
@@ -431,14 +437,14 @@ def start_targets(
             return start_server(name, [*argv, *urls], port, log_dir=log_dir)
         if name in KVROUTE_TARGETS:
             port = free_port()
-            policy = "cache_aware" if name.endswith("_cache") else "round_robin"
+            policy = "round_robin" if name.endswith("_rr") else "cache_aware"
             argv = kvroute_argv("serve", "--worker-urls", *urls, "--port", str(port))
             if name.startswith("base_"):
                 if baseline_python is None:
                     raise SystemExit(f"{name} needs --baseline-python")
                 argv[0] = baseline_python
             argv += ["--policy", policy, "--log-level", "warning"]
-            if tokenizer:
+            if tokenizer and name != "kv_bytes":
                 argv += ["--tokenizer", tokenizer]
             return start_server(name, argv, port, log_dir=log_dir, timeout_s=120)
         peer, policy = {"sgl_cache": (SGLANG, "cache_aware"), "vllm_rr": (VLLM, "round_robin")}[
@@ -599,7 +605,16 @@ def main() -> int:
     ap.add_argument(
         "--targets",
         nargs="+",
-        default=["direct", "floor", "floor_pools", "kv_cache", "kv_rr", "sgl_cache", "vllm_rr"],
+        default=[
+            "direct",
+            "floor",
+            "floor_pools",
+            "kv_cache",
+            "kv_bytes",
+            "kv_rr",
+            "sgl_cache",
+            "vllm_rr",
+        ],
     )
     ap.add_argument("--profile", type=float, default=0.0, metavar="SECONDS",
                     help="afterwards, py-spy kv_cache (else kv_rr) for this long")  # fmt: skip
@@ -608,6 +623,12 @@ def main() -> int:
         default=None,
         metavar="PYTHON",
         help="interpreter of another kvroute install, for the base_cache/base_rr targets",
+    )
+    ap.add_argument(
+        "--profile-target",
+        choices=KVROUTE_TARGETS,
+        default=None,
+        help="the kvroute target --profile samples (default: kv_cache, else kv_rr)",
     )
     ap.add_argument("--log-dir", default="/tmp/router_overhead_logs")
     ap.add_argument("--serve-worker", type=int, default=None, help=argparse.SUPPRESS)
@@ -713,7 +734,8 @@ def main() -> int:
                     f"| {d50} | {d99} | {cpu} | {cores} "
                     f"| {100 * c.client_cpu_s / c.wall_s:.0f} | {c.errors} |"
                 )
-        profiled = next((t for t in ("kv_cache", "kv_rr") if t in targets), None)
+        order = [args.profile_target] if args.profile_target else ["kv_cache", "kv_rr"]
+        profiled = next((t for t in order if t in targets), None)
         if args.profile > 0 and profiled is not None:
             profile_kvroute(pool, profiled, targets[profiled], args.profile, args.concurrency[0])
     finally:

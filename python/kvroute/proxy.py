@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -58,6 +58,7 @@ RETRYABLE = (
     httpx.RemoteProtocolError,
 )
 PASS_HEADERS = ("content-type", "cache-control")
+PASS_RAW = frozenset(h.encode() for h in PASS_HEADERS)
 CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 
@@ -94,17 +95,39 @@ class ProxyStream(StreamingResponse):
 
 
 async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, at most ``limit`` bytes (413 past it), read off the ASGI
+    ``receive`` channel directly."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLargeError(f"request body over {limit} bytes")
     chunks = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLargeError(f"request body over {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.request":
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLargeError(f"request body over {limit} bytes")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        elif message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def read_answer(upstream: httpx.Response) -> bytes:
+    """The whole answer. Without a Content-Encoding (the router sends no
+    Accept-Encoding) the bytes are read off the stream as they are, skipping httpx's
+    decoder and chunker chain (3x cheaper); else decoded by httpx."""
+    if "content-encoding" in upstream.headers:
+        return await upstream.aread()
+    try:
+        parts = [chunk async for chunk in upstream.stream]  # type: ignore[union-attr]
+    finally:
+        await upstream.aclose()
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def parse_object(body: bytes) -> dict[str, Any]:
@@ -126,6 +149,17 @@ def session_key(request: Request, body: dict[str, Any]) -> str | None:
             return v
     user = body.get("user")
     return user if isinstance(user, str) and user else None
+
+
+class RawResponse(Response):
+    """A complete answer with its header list already built (``Response`` would encode
+    a dict of headers again)."""
+
+    def __init__(self, content: bytes, status_code: int, raw: list[tuple[bytes, bytes]]) -> None:
+        self.status_code = status_code
+        self.body = content
+        self.background = None
+        self.raw_headers = raw
 
 
 class Forwarder:
@@ -162,7 +196,8 @@ class Forwarder:
         else:
             s.tokenizer.check(kind, obj)
             tokens = ()
-        route_req = RouteRequest(tokens=tokens, session_key=session_key(request, obj))
+        key = session_key(request, obj) if s.policy.needs_session else None
+        route_req = RouteRequest(tokens=tokens, session_key=key)
         headers = self._headers(request)
         rid = headers["x-request-id"]
         tried: set[str] = set()
@@ -183,7 +218,7 @@ class Forwarder:
                 on_release = functools.partial(s.policy.on_done, decision)
             res = s.registry.reserve(decision.worker, on_release)
             source = "precise" if decision.precise else "approximate"
-            s.metrics.decisions.labels(s.policy.name, decision.reason, source).inc()
+            s.metrics.decisions_by[s.policy.name, decision.reason, source].inc()
             if s.policy.name == "cache_aware":
                 s.metrics.matched_ratio.observe(decision.matched_tokens / len(tokens))
             if log.isEnabledFor(logging.DEBUG):
@@ -199,37 +234,48 @@ class Forwarder:
                     attempt + 1,
                 )
             url = decision.worker + path
+            upstream: httpx.Response | None = None
+            content = b""
+            streaming = False
             try:
                 # --request-timeout-secs bounds the whole request, the wait for the first
-                # byte included (the first-byte timeout may be the longer of the two).
+                # byte included (the first-byte timeout may be the longer of the two), and
+                # reading a complete answer; a stream's relay keeps to the same deadline.
                 async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
                     upstream = await s.forward.post(url, body, headers)
+                    s.registry.record_status(decision.worker, upstream.status_code)
+                    s.metrics.ttfb_by[(kind,)].observe(time.perf_counter() - t0)
+                    streaming = stream and upstream.status_code == 200
+                    if not streaming:
+                        content = await read_answer(upstream)
             except TimeoutError:
-                res.release()
+                await self._abandon(upstream, res)
+                what = "no answer" if upstream is None else "the worker did not finish"
                 raise GatewayTimeoutError(
-                    f"no answer within {s.settings.request_timeout_secs:g}s"
+                    f"{what} within {s.settings.request_timeout_secs:g}s"
                 ) from None
             except RETRYABLE as e:
-                res.release()
+                await self._abandon(upstream, res)
                 last_error = self._worker_failed(decision.worker, e, rid)
                 tried.add(decision.worker)
                 await self._backoff(attempt)
                 continue
             except httpx.HTTPError as e:
+                await self._abandon(upstream, res)
+                if upstream is not None:
+                    raise
                 # Not the worker's fault (e.g. our connection pool is exhausted): no retry
                 # storm, no worker marked down.
-                res.release()
                 raise UnavailableError(f"could not reach a worker: {type(e).__name__}") from None
             except BaseException:
-                res.release()
+                await self._abandon(upstream, res)
                 raise
-            s.registry.record_status(decision.worker, upstream.status_code)
-            ttfb = time.perf_counter() - t0
-            s.metrics.ttfb.labels(kind).observe(ttfb)
-            out_headers = {h: upstream.headers[h] for h in PASS_HEADERS if h in upstream.headers}
-            out_headers["x-kvroute-worker"] = decision.worker
-            out_headers["x-request-id"] = rid
-            if stream and upstream.status_code == 200:
+            if streaming:
+                out_headers = {
+                    h: upstream.headers[h] for h in PASS_HEADERS if h in upstream.headers
+                }
+                out_headers["x-kvroute-worker"] = decision.worker
+                out_headers["x-request-id"] = rid
                 return ProxyStream(
                     self._relay(
                         upstream, decision.worker, rid, deadline, decision.matched_tokens, source
@@ -239,34 +285,38 @@ class Forwarder:
                     self._closer(upstream, res, kind, t0, upstream.status_code),
                     lambda: s.draining,
                 )
-            try:
-                remaining = deadline - time.monotonic()
-                async with asyncio.timeout(max(remaining, 0.001)):
-                    content = await upstream.aread()
-            except TimeoutError:
-                raise GatewayTimeoutError(
-                    f"the worker did not finish within {s.settings.request_timeout_secs:g}s"
-                ) from None
-            except RETRYABLE as e:
-                last_error = self._worker_failed(decision.worker, e, rid)
-                tried.add(decision.worker)
-                await self._backoff(attempt)
-                continue
-            finally:
-                await upstream.aclose()
-                res.release()
+            res.release()  # the answer is complete and its connection released
             self._done(kind, upstream.status_code, t0)
             if upstream.status_code == 200:
                 self._reuse(content, decision.matched_tokens, source)
-            return Response(content, status_code=upstream.status_code, headers=out_headers)
+            raw = [
+                (b"x-kvroute-worker", decision.worker.encode()),
+                (b"x-request-id", rid.encode()),
+                (b"content-length", str(len(content)).encode()),
+            ]
+            for name, value in upstream.headers.raw:
+                name = name.lower()
+                if name in PASS_RAW:
+                    raw.append((name, value))
+            return RawResponse(content, upstream.status_code, raw)
         raise UnavailableError(f"no healthy worker could take the request ({last_error})")
+
+    @staticmethod
+    async def _abandon(upstream: httpx.Response | None, res: Reservation) -> None:
+        """A failed attempt: close its answer (and connection), release its load."""
+        try:
+            if upstream is not None:
+                await upstream.aclose()
+        finally:
+            res.release()
 
     def _reuse(self, data: bytes, predicted: int, source: str) -> None:
         """Count predicted against reported prefix reuse when the answer reports it."""
-        m = CACHED_RE.search(data)
+        at = data.find(b'"cached_tokens"')
+        m = CACHED_RE.match(data, at) if at >= 0 else None
         if m is not None:
-            self.s.metrics.predicted_cached.labels(source).inc(predicted)
-            self.s.metrics.reported_cached.labels(source).inc(int(m.group(1)))
+            self.s.metrics.predicted_by[(source,)].inc(predicted)
+            self.s.metrics.reported_by[(source,)].inc(int(m.group(1)))
 
     def _worker_failed(self, worker: str, e: BaseException, rid: str) -> str:
         kind = type(e).__name__
@@ -282,8 +332,8 @@ class Forwarder:
             await asyncio.sleep(delay)
 
     def _done(self, kind: str, status: int, t0: float) -> None:
-        self.s.metrics.requests.labels(kind, str(status)).inc()
-        self.s.metrics.latency.labels(kind).observe(time.perf_counter() - t0)
+        self.s.metrics.requests_by[kind, str(status)].inc()
+        self.s.metrics.latency_by[(kind,)].observe(time.perf_counter() - t0)
 
     def _closer(
         self, upstream: httpx.Response, res: Reservation, kind: str, t0: float, status: int

@@ -77,6 +77,8 @@ class Policy(ABC):
     # False for policies that never look at the prompt: the router then skips
     # tokenization (it still validates the body).
     needs_tokens: bool = True
+    # True for policies that read ``RouteRequest.session_key`` (else it is not looked up).
+    needs_session: bool = False
 
     @abstractmethod
     def select(self, request: RouteRequest, loads: Mapping[str, int]) -> Decision:

@@ -26,6 +26,7 @@ def prefix_key(tokens: object, n: int) -> bytes:
 
 class ConsistentHash(Policy):
     name = "consistent_hash"
+    needs_session = True
 
     def __init__(self, *, prefix_tokens: int = 256, load_factor: float = 1.25) -> None:
         self.prefix_tokens = prefix_tokens
