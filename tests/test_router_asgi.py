@@ -382,3 +382,36 @@ async def test_complete_answers_pass_decoded_with_their_headers() -> None:
                 assert r.headers["cache-control"] == "no-store"
                 assert r.headers["x-kvroute-worker"] == WORKER
                 assert "content-encoding" not in r.headers and "x-worker-secret" not in r.headers
+
+
+async def test_streams_pass_decoded() -> None:
+    """A streamed answer is relayed as the worker sent it, decoded if it was compressed
+    (the router never forwards Content-Encoding)."""
+    import gzip
+
+    events = b"".join(b'data: {"n": %d}\n\n' % i for i in range(50)) + b"data: [DONE]\n\n"
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"ok": True})
+        gz = request.url.path == "/v1/completions"
+        return httpx.Response(
+            200,
+            content=gzip.compress(events) if gz else events,
+            headers={
+                "content-type": "text/event-stream",
+                **({"content-encoding": "gzip"} if gz else {}),
+            },
+        )
+
+    app = create_app(Settings(worker_urls=[WORKER]).validate())
+    async with app.router.lifespan_context(app):
+        app.state.router.use_transport(httpx.MockTransport(handle))
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://router"
+        ) as c:
+            for path, body in (("/v1/completions", {"prompt": "a"}), ("/generate", {"text": "a"})):
+                r = await c.post(path, json={**body, "stream": True})
+                assert r.status_code == 200 and r.content == events
+                assert r.headers["content-type"].startswith("text/event-stream")
+                assert "content-encoding" not in r.headers

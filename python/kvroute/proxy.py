@@ -130,6 +130,14 @@ async def read_answer(upstream: httpx.Response) -> bytes:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
+def answer_chunks(upstream: httpx.Response) -> AsyncIterator[bytes]:
+    """A streamed answer's chunks as they arrive: decoded by httpx when the worker set a
+    Content-Encoding, else straight off the transport's stream."""
+    if "content-encoding" in upstream.headers:
+        return upstream.aiter_bytes()
+    return upstream.stream.__aiter__()  # type: ignore[union-attr]
+
+
 def parse_object(body: bytes) -> dict[str, Any]:
     if not body:
         raise BadRequestError("request body is empty; expected a JSON object")
@@ -360,7 +368,7 @@ class Forwarder:
             async with asyncio.timeout_at(
                 asyncio.get_running_loop().time() + (deadline - time.monotonic())
             ):
-                async for chunk in upstream.aiter_bytes():
+                async for chunk in answer_chunks(upstream):
                     if b'"cached_tokens"' in chunk:
                         self._reuse(chunk, predicted, source)
                     yield chunk
