@@ -195,6 +195,27 @@ async def test_connection_close_and_close_delimited_bodies(
     assert pools.connections() == 0
 
 
+async def test_informational_answers_are_skipped(
+    serve: Callable[[Handler], Awaitable[str]], client: Client
+) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        while True:
+            await _read_request(r)
+            w.write(b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n")
+            await w.drain()
+            await asyncio.sleep(0.1)  # the hint arrives alone
+            w.write(_ok(b"final", b"x-n: %d\r\n" % n))
+            await w.drain()
+
+    url = await serve(handler)
+    c, pools = client
+    for _ in range(2):
+        r = await c.get(url + "/")
+        assert r.status_code == 200 and r.content == b"final"
+        assert "link" not in r.headers and r.headers["x-n"] == "1"
+    assert pools.connections() == 1
+
+
 async def test_chunked_stream_arrives_piece_by_piece(
     serve: Callable[[Handler], Awaitable[str]], client: Client
 ) -> None:

@@ -151,6 +151,10 @@ class Connection(asyncio.Protocol):
 
     # ---------------------------------------------------------------- parser callbacks
 
+    def on_message_begin(self) -> None:
+        self.reason = b""
+        self.headers = []
+
     def on_status(self, reason: bytes) -> None:
         self.reason += reason
 
@@ -159,6 +163,8 @@ class Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
+        if self.status < 200:  # informational (103 Early Hints, ...): the answer follows
+            return
         if self.head is not None and not self.head.done():
             self.head.set_result(None)
 
@@ -171,6 +177,8 @@ class Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self.status < 200:
+            return
         self.keep_alive = self.parser.should_keep_alive()
         self._done()
 
