@@ -156,6 +156,55 @@ async def test_keep_alive_race_is_retried_on_a_new_connection(
     assert conns == [1, 2]
 
 
+async def test_several_stale_connections_then_a_fresh_one(
+    serve: Callable[[Handler], Awaitable[str]], client: Client
+) -> None:
+    """As after a worker restart: every kept-alive connection drops the next request
+    unanswered; the request still gets through, on a new connection."""
+    gate = asyncio.Event()
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        await _read_request(r)
+        if n <= h1pool.STALE_RETRIES:
+            await gate.wait()  # hold the first ones so they run side by side
+            w.write(_ok(b"warm"))
+            await w.drain()
+            await _read_request(r)  # then drop the next request unanswered
+            return
+        w.write(_ok(b"fresh %d" % n))
+        await w.drain()
+
+    url = await serve(handler)
+    c, pools = client
+    warm = [asyncio.create_task(c.get(url + "/")) for _ in range(h1pool.STALE_RETRIES)]
+    await asyncio.sleep(0.1)
+    gate.set()
+    assert [(await t).content for t in warm] == [b"warm"] * h1pool.STALE_RETRIES
+    assert pools.connections() == h1pool.STALE_RETRIES
+    r = await c.get(url + "/")
+    assert r.content == b"fresh %d" % (h1pool.STALE_RETRIES + 1)
+
+
+async def test_bytes_past_the_answer_retire_the_connection(
+    serve: Callable[[Handler], Awaitable[str]], client: Client
+) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        while True:
+            await _read_request(r)
+            w.write(_ok(b"answer %d" % n))
+            await w.drain()
+            await asyncio.sleep(0.05)
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nextra")  # unasked
+            await w.drain()
+
+    url = await serve(handler)
+    c, _ = client
+    async with c.stream("GET", url + "/") as resp:
+        await asyncio.sleep(0.2)  # the extra bytes arrive before the body is read
+        assert await resp.aread() == b"answer 1"
+    assert (await c.get(url + "/")).content == b"answer 2"
+
+
 async def test_idle_connection_closed_by_worker_is_not_reused(
     serve: Callable[[Handler], Awaitable[str]], client: Client
 ) -> None:

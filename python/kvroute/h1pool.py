@@ -26,7 +26,7 @@ Behaviour callers rely on, as httpcore's:
 - a kept-alive connection the worker closed while idle is noticed by the event loop
   (``connection_lost``) instead of polled on reuse; if the worker closes it just as a
   request goes out (the keep-alive race: not one response byte came back), the request
-  is sent once more on a new connection.
+  is sent again (on another idle connection or a new one, up to ``STALE_RETRIES``).
 - a slow reader is not buffered without bound: reading from the worker pauses past
   ``HIGH_WATER`` bytes queued and resumes below ``LOW_WATER``.
 """
@@ -42,6 +42,9 @@ from typing import Any, cast
 import httptools
 import httpx
 
+# Sends of one request over kept-alive connections found closed before a response byte
+# (a worker that restarted leaves several; the loop usually notices them first).
+STALE_RETRIES = 3
 HIGH_WATER = 1 << 20
 LOW_WATER = 1 << 18
 # Methods whose answer has a body to read (HEAD's does not, and the parser cannot be told).
@@ -107,7 +110,9 @@ class Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def data_received(self, data: bytes) -> None:
-        if not self.active:  # bytes nobody asked for: the connection is unusable
+        if not self.active or self.complete:
+            # Bytes nobody asked for (idle, or past the end of the answer): the
+            # connection is out of step and not reused; what was read stays readable.
             self.close()
             return
         self.got_bytes = True
@@ -380,13 +385,13 @@ async def send(origin: Origin, request: httpx.Request) -> httpx.Response:
     timeouts: dict[str, Any] = request.extensions.get("timeout", {})
     body = await request.aread()
     data = _head(request, body) + body
-    for attempt in (0, 1):
+    for attempt in range(STALE_RETRIES + 1):
         conn = await origin.acquire(timeouts)
         try:
             await conn.send(data, timeouts)
         except _Stale:
             conn.close()
-            if attempt == 0:
+            if attempt < STALE_RETRIES:
                 continue
             raise httpx.RemoteProtocolError(
                 "Server disconnected without sending a response."
