@@ -8,6 +8,10 @@ Output: a Markdown table, ``--json FILE``, and ``--plot FILE.png`` (TTFT CDF per
 
 A policy written ``POLICY+events`` (e.g. ``cache_aware+events``) runs kvroute in precise
 mode: the workers then publish KV events and the router gets ``--kv-events`` for each.
+A policy may carry its own serve flags after ``@`` (``cache_aware@--max-tree-size=308000``):
+the row then runs with them on top of ``--kvroute-args``. ``--router-replicas N`` runs N
+routers per row in front of the same workers, clients dealing requests to them in turn
+(in precise mode each router subscribes to every worker's events).
 ``--time-scale S`` runs the workers S times faster than model time and replays the
 arrivals S times faster; client times are multiplied back by S (so the router's own
 overhead counts S times: keep S small), and the workers' own TTFT (model time, no router
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -150,6 +155,12 @@ def main() -> int:
         help="extra flags for kvroute serve, e.g. '--worker-capacity 32'",
     )
     ap.add_argument("--worker-args", default="", help="extra flags for every sim worker")
+    ap.add_argument(
+        "--router-replicas",
+        type=int,
+        default=1,
+        help="kvroute routers per row, same flags, dealt requests in turn (default: 1)",
+    )
     ap.add_argument("--peers", action="store_true", help="also run installed peer routers")
     ap.add_argument("--json", default=None, help="write the rows as JSON to this file")
     ap.add_argument("--plot", default=None, help="write a TTFT CDF plot (PNG) to this file")
@@ -158,7 +169,11 @@ def main() -> int:
     requests = build(args)
     bound = upper_bound(prepare(requests, 16))
     extra = tuple(args.kvroute_args.split())
-    specs = [kvroute_spec(p, extra) for p in args.policies.split(",")]
+    specs = []
+    for item in args.policies.split(","):
+        policy, *own = item.split("@")
+        spec = kvroute_spec(policy, extra + tuple(own))
+        specs.append(replace(spec, name=" ".join([spec.name, *own])))
     if args.peers:
         specs += installed_peer_specs(ROOT)
     rows: list[ResultRow] = []
@@ -170,7 +185,11 @@ def main() -> int:
         if args.capacity_tokens is not None:
             worker_args += ["--capacity-tokens", str(args.capacity_tokens)]
         workers = start_sim_workers(
-            args.workers, logs, worker_args, kv_events=any(s.kv_events for s in specs)
+            args.workers,
+            logs,
+            worker_args,
+            kv_events=any(s.kv_events for s in specs),
+            publishers_bind=args.router_replicas > 1,
         )
         try:
             for spec in specs:
@@ -190,6 +209,7 @@ def main() -> int:
                         root=ROOT,
                         time_scale=args.time_scale,
                         on_done=bar.update,
+                        replicas=args.router_replicas if spec.kind == "kvroute" else 1,
                     )
                 rows.append(row)
                 if row.extra.get("routing"):
@@ -218,6 +238,7 @@ def main() -> int:
                 time_scale=args.time_scale,
                 capacity_tokens=args.capacity_tokens,
                 kvroute_args=args.kvroute_args,
+                router_replicas=args.router_replicas,
                 output_len=args.output_len,
             )
         )

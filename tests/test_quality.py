@@ -86,6 +86,38 @@ def test_precise_run_over_http(tmp_path: Path) -> None:
     assert counters["reported/precise"] == row.cached_tokens
 
 
+def test_precise_run_over_http_two_router_replicas(tmp_path: Path) -> None:
+    """Two routers in front of the same workers, each subscribed to every worker's own
+    PUB socket: both trust every stream and all their decisions are made on events."""
+    reqs = wl.gsp(3, 3, 256, 16, 2, seed=0, arrivals="poisson", rate=5.0)
+    logs = str(tmp_path)
+    workers = start_sim_workers(
+        2, logs, ["--time-scale", "4"], kv_events=True, publishers_bind=True
+    )
+    assert all(";connect;" in str(w.extra["kv_events"]) for w in workers)
+    try:
+        row = run_router(
+            kvroute_spec("cache_aware+events"),
+            workers,
+            reqs,
+            log_dir=logs,
+            root=tmp_path,
+            time_scale=4.0,
+            replicas=2,
+        )
+    finally:
+        for w in workers:
+            w.stop()
+    counters = row.extra["routing"]
+    assert row.errors == 0 and row.requests == len(reqs)
+    assert row.extra["router_replicas"] == 2
+    assert counters["mode/precise"] == 4  # 2 routers x 2 workers
+    decided = {k: v for k, v in counters.items() if k.split("/")[0] in ("cache_hit", "cache_miss")}
+    assert sum(decided.values()) == len(reqs)
+    assert all(k.endswith("/precise") for k in decided)
+    assert counters["reported/precise"] == row.cached_tokens
+
+
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
     logs = str(tmp_path_factory.mktemp("quality"))

@@ -110,7 +110,7 @@ async def _one(
 
 
 async def replay(
-    url: str,
+    url: str | Sequence[str],
     requests: Sequence[ReplayRequest],
     *,
     time_scale: float = 1.0,
@@ -121,6 +121,8 @@ async def replay(
     as_text: bool = True,
 ) -> tuple[list[Outcome], float]:
     """Send ``requests`` to ``url`` at their arrival times divided by ``time_scale``.
+
+    Several URLs (router replicas): request ``i`` goes to ``url[i % len(url)]``.
 
     Returns the outcomes (in request order) and the wall time of the whole replay.
     ``as_text``: send the prompt as text (one character per token, see
@@ -134,15 +136,17 @@ async def replay(
     ) as client:
         t0 = time.perf_counter()
 
-        async def launch(req: ReplayRequest) -> Outcome:
+        urls = [url] if isinstance(url, str) else list(url)
+
+        async def launch(i: int, req: ReplayRequest) -> Outcome:
             delay = req.arrival_s / time_scale - (time.perf_counter() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
             async with sem:
-                out = await _one(client, url, req, model, as_text)
+                out = await _one(client, urls[i % len(urls)], req, model, as_text)
             if on_done is not None:
                 on_done()
             return out
 
-        outcomes = await asyncio.gather(*(launch(r) for r in requests))
+        outcomes = await asyncio.gather(*(launch(i, r) for i, r in enumerate(requests)))
         return list(outcomes), time.perf_counter() - t0

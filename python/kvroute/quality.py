@@ -13,6 +13,12 @@ subscription reaches it, and the router trusts a stream only once it has seen a 
 state, so after the router starts every worker's cache is flushed (``AllBlocksCleared``)
 until ``/workers`` shows all of them ``precise``; only then does the timed replay start.
 
+Router replicas (``replicas`` > 1, an HA deployment): that many routers with the same
+flags in front of the same workers, clients dealing requests to them in turn; each has
+its own index and loads. In precise mode every worker then binds its own PUB socket
+(``ipc://`` in the log directory) and every router connects to all of them: a PUB socket
+sends each subscriber every message. Counters and CPU time are summed over the routers.
+
 Time scale: with workers run ``S`` times faster than real time (``--time-scale S``),
 arrivals are sent ``S`` times sooner and every time the client measures is multiplied by
 ``S``, so rows are in the workers' model time (router and HTTP overhead count ``S`` times).
@@ -73,17 +79,24 @@ def installed_peer_specs(root: Path) -> list[RouterSpec]:
 
 
 def start_sim_workers(
-    n: int, log_dir: str, args: Sequence[str] = (), *, kv_events: bool = False
+    n: int,
+    log_dir: str,
+    args: Sequence[str] = (),
+    *,
+    kv_events: bool = False,
+    publishers_bind: bool = False,
 ) -> list[Server]:
     """``n`` sim workers; with ``kv_events`` each publishes to one endpoint that a
     precise-mode router binds, under its own topic (``Server.extra["kv_events"]`` holds
-    the ``--kv-events`` value for it)."""
+    the ``--kv-events`` value for it). ``publishers_bind``: each worker binds its own
+    ``ipc://`` endpoint instead, which any number of routers can connect to."""
     workers: list[Server] = []
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    shared = f"tcp://127.0.0.1:{free_port()}"
     try:
         for i in range(n):
             port = free_port()
             topic = f"kv@{i}"
+            endpoint = f"ipc://{log_dir}/kv-{i}.sock" if publishers_bind else shared
             events = ["--kv-events-endpoint", endpoint, "--kv-events-topic", topic]
             w = start_server(
                 f"sim-worker-{port}",
@@ -94,7 +107,8 @@ def start_sim_workers(
                 log_dir=log_dir,
             )
             if kv_events:
-                w.extra["kv_events"] = f"{w.url}={endpoint};bind;topic={topic}"
+                side = "connect" if publishers_bind else "bind"
+                w.extra["kv_events"] = f"{w.url}={endpoint};{side};topic={topic}"
             workers.append(w)
     except BaseException:
         for w in workers:
@@ -209,32 +223,39 @@ def run_router(
     root: Path,
     time_scale: float = 1.0,
     on_done: Callable[[], None] | None = None,
+    replicas: int = 1,
 ) -> ResultRow:
     """One row; times in model seconds (client wall time x ``time_scale``).
     ``extra["routing"]`` holds the router's CPU seconds and, for kvroute, its decision
-    and reuse counters."""
+    and reuse counters (summed over ``replicas`` routers, dealt requests in turn)."""
     reset_workers(workers)
-    router = start_router(spec, workers, log_dir, root)
+    routers: list[Server] = []
     counters: dict[str, float] = {}
     try:
+        for _ in range(replicas):
+            routers.append(start_router(spec, workers, log_dir, root))
         if spec.kv_events:
-            wait_precise(router, workers)
+            for router in routers:
+                wait_precise(router, workers)
             reset_workers(workers)  # the priming flushes are not part of the run
         before = served_counts(workers)
         outcomes, wall = asyncio.run(
-            replay(router.url, requests, time_scale=time_scale, on_done=on_done)
+            replay([r.url for r in routers], requests, time_scale=time_scale, on_done=on_done)
         )
-        cpu = cpu_seconds(router.pid)
-        if cpu is not None:  # the router's CPU time (wall seconds), with start-up
-            counters["router_cpu_s"] = round(cpu, 2)
-        if spec.kind == "kvroute":
-            with httpx.Client(timeout=10, trust_env=False) as c:
-                counters.update(routing_counters(c.get(router.url + "/metrics").text))
-            if spec.kv_events:
-                for m in worker_modes(router).values():  # workers per mode at the end
-                    counters[f"mode/{m}"] = counters.get(f"mode/{m}", 0.0) + 1
+        for router in routers:
+            cpu = cpu_seconds(router.pid)
+            if cpu is not None:  # the router's CPU time (wall seconds), with start-up
+                counters["router_cpu_s"] = round(counters.get("router_cpu_s", 0.0) + cpu, 2)
+            if spec.kind == "kvroute":
+                with httpx.Client(timeout=10, trust_env=False) as c:
+                    for k, v in routing_counters(c.get(router.url + "/metrics").text).items():
+                        counters[k] = counters.get(k, 0.0) + v
+                if spec.kv_events:
+                    for m in worker_modes(router).values():  # workers per mode at the end
+                        counters[f"mode/{m}"] = counters.get(f"mode/{m}", 0.0) + 1
     finally:
-        router.stop()
+        for router in routers:
+            router.stop()
     after = served_counts(workers)
     on_workers = worker_ttfts(workers)
     per_worker = [a - b for a, b in zip(after, before, strict=True)]
@@ -260,5 +281,6 @@ def run_router(
             "worker_ttft_p99": percentile(on_workers, 99),
             "time_scale": s,
             "per_worker": per_worker,
+            "router_replicas": replicas,
         },
     )

@@ -83,6 +83,36 @@ def configure(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rate", type=float, default=0.0, help="poisson rate (requests/s)")
     g.add_argument("--time-scale", type=float, default=1.0, help="mooncake: speed-up")
     g.add_argument("--limit", type=int, default=None, help="mooncake: first N requests")
+    d = p.add_argument_group(
+        "what an approximate router cannot see",
+        "precise mode (POLICY+events) sees all of these through the engines' KV events",
+    )
+    d.add_argument(
+        "--router-replicas",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N router replicas (HA), dealt requests in turn; each has its own approximate "
+        "index and its own in-flight loads, as N kvroute serve processes would; in "
+        "precise mode all subscribe to every worker's events (default: 1)",
+    )
+    d.add_argument(
+        "--bypass-fraction",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="this fraction of requests goes straight to a worker chosen at random "
+        "(from --seed), unseen by the router: no index entry, no load (default: 0)",
+    )
+    d.add_argument(
+        "--restart-every",
+        type=float,
+        default=None,
+        metavar="SECS",
+        help="every SECS of virtual time the next worker in turn loses its whole KV cache "
+        "(AllBlocksCleared); its running requests carry on, so health checks see "
+        "nothing (default: never)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -129,6 +159,10 @@ def fleet_config(args: argparse.Namespace) -> Any:
         policy_settings={"seed": args.seed, "worker_capacity": capacity},
         learn_capacity=learn,
         output_blocks=args.output_blocks,
+        router_replicas=getattr(args, "router_replicas", 1),
+        bypass_fraction=getattr(args, "bypass_fraction", 0.0),
+        restart_every_s=getattr(args, "restart_every", None),
+        seed=args.seed,
     )
 
 
@@ -139,6 +173,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.workers < 1:
             raise ValueError("--workers must be >= 1")
+        if args.router_replicas < 1:
+            raise ValueError("--router-replicas must be >= 1")
+        if not 0.0 <= args.bypass_fraction <= 1.0:
+            raise ValueError("--bypass-fraction must be within [0, 1]")
+        if args.restart_every is not None and not args.restart_every > 0:
+            raise ValueError("--restart-every must be > 0")
         policies = [p.strip() for p in args.policies.split(",") if p.strip()]
         if not policies:
             raise ValueError("--policies is empty")
@@ -167,7 +207,14 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(
             to_json(
-                rows, bound, workload=args.workload, workers=args.workers, requests=len(requests)
+                rows,
+                bound,
+                workload=args.workload,
+                workers=args.workers,
+                requests=len(requests),
+                router_replicas=args.router_replicas,
+                bypass_fraction=args.bypass_fraction,
+                restart_every_s=args.restart_every,
             )
         )
     else:

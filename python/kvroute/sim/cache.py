@@ -335,10 +335,10 @@ class PrefixCache:
         again. A block that does not fit is not cached, nor is any after it."""
         upto = min(n_tokens // self.block_size, len(handle.seq_keys))
         first = handle.filled
-        if upto <= first or handle.generation != self._generation:
+        if upto <= first:
             return
-        handle.filled = upto
-        if handle.stalled:
+        handle.filled = upto  # also when stale: its next fill must move on (fleet sim)
+        if handle.stalled or handle.generation != self._generation:
             return
         lru = self._lru
         acq = self._acq

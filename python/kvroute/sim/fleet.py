@@ -24,6 +24,13 @@ worker publishes, applied at once: no wire, no loss, no delay), and routes on it
 router does with ``--kv-events`` and every worker ``precise``. The HTTP benchmark shows
 the delay: a block is known only once its event crossed ZMQ.
 
+Router replicas and traffic that bypasses the router (``FleetConfig.router_replicas``,
+``bypass_fraction``): ``kvroute.sim.routers``. Engine restarts (``restart_every_s``):
+every ``restart_every_s`` of virtual time the next worker in turn loses its whole cache
+(``PrefixCache.clear``, published as ``AllBlocksCleared``); its running requests carry
+on, so the router's health checks see nothing (an engine back before the next check, or
+a prefix-cache reset): the approximate index keeps what it predicted there.
+
 Block keys of every request's whole sequence (prompt, then the output the simulated
 engine generates) are computed once (``prepare``) and reused by every policy run.
 The upper bound is one infinite cache shared by the whole fleet: the leading blocks of
@@ -33,6 +40,7 @@ each prompt already seen in an earlier prompt, over all prompt tokens.
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -41,44 +49,16 @@ from typing import Any, cast
 
 import numpy as np
 
-from kvroute._native import BlockIndex, PrefixIndex
+from kvroute._native import PrefixIndex
 from kvroute.engine_load import CapacityLearner
-from kvroute.policies.base import Decision, Policy, RouteRequest
+from kvroute.policies.base import Policy, RouteRequest
 from kvroute.sim.cache import Handle, PrefixCache, block_keys_batch, sequence
 from kvroute.sim.cost import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_TOKENS, CostModel
 from kvroute.sim.report import ResultRow, summarize
+from kvroute.sim.routers import InstantEvents, PolicyFactory, RouterTier, bypass_plan
 from kvroute.sim.workloads import Request
 
-PolicyFactory = Callable[[PrefixIndex], Policy]
 EVENTS_SUFFIX = "+events"
-
-
-class InstantEvents:
-    """Precise mode in virtual time: caches report straight into a ``BlockIndex``; every
-    worker is trusted (the ``PreciseSource`` the policy asks)."""
-
-    def __init__(self, workers: Sequence[str]) -> None:
-        self.index = BlockIndex()
-        self.trusted = set(workers)
-
-    def match(self, tokens: Sequence[int]) -> tuple[dict[str, int], set[str]]:
-        return self.index.match(tokens), self.trusted
-
-    def cache(self, worker: str, capacity_tokens: int, block_size: int) -> PrefixCache:
-        index = self.index
-
-        def stored(hashes: list[int], parent: int | None, ids: list[int], bs: int) -> None:
-            index.stored(worker, parent, hashes, ids, bs)
-
-        def removed(hashes: list[int]) -> None:
-            index.removed(worker, hashes)
-
-        def cleared() -> None:
-            index.clear_worker(worker)
-
-        return PrefixCache(
-            capacity_tokens, block_size, on_store=stored, on_remove=removed, on_clear=cleared
-        )
 
 
 @dataclass(slots=True)
@@ -95,6 +75,13 @@ class FleetConfig:
     learn_capacity: bool = False
     # Generated tokens take cache blocks (vLLM); off: only prompts are cached.
     output_blocks: bool = True
+    # What the approximate index cannot see (kvroute.sim.routers): independent router
+    # replicas dealt requests in turn; a fraction of requests sent straight to a random
+    # worker (chosen from ``seed``); a worker's cache lost every this many seconds.
+    router_replicas: int = 1
+    bypass_fraction: float = 0.0
+    restart_every_s: float | None = None
+    seed: int = 0
 
 
 @dataclass(slots=True)
@@ -159,8 +146,13 @@ def _factory(policy: str | PolicyFactory, cfg: FleetConfig) -> tuple[str, Policy
 
     name = policy.removesuffix(EVENTS_SUFFIX)
     settings = dict(cfg.policy_settings)
-    settings.setdefault("seed", 0)
-    return name, lambda index: create_policy(name, index, **settings)
+    seed = settings.pop("seed", 0)
+    seeds = itertools.count(seed or 0)  # router replicas: one seed each
+
+    def make(index: PrefixIndex) -> Policy:
+        return create_policy(name, index, seed=None if seed is None else next(seeds), **settings)
+
+    return name, make
 
 
 def simulate(
@@ -179,29 +171,27 @@ def simulate(
     if prep.block_size != cfg.block_size:
         raise ValueError("workload prepared with a different block size")
     pname, make = _factory(policy, cfg)
-    index = PrefixIndex(cfg.max_tree_size)
-    pol = make(index)
     names = worker_names(cfg.workers)
-    for wname in names:
-        pol.on_worker_added(wname)
-    learner = CapacityLearner() if cfg.learn_capacity and hasattr(pol, "capacities") else None
-    if learner is not None:
-        pol.capacities = learner.capacities  # type: ignore[attr-defined]
     widx = {w: i for i, w in enumerate(names)}
     nw = cfg.workers
     events: InstantEvents | None = None
     if isinstance(policy, str) and policy.endswith(EVENTS_SUFFIX):
-        if not hasattr(pol, "precise"):
-            raise ValueError(f"{pname}: only cache_aware has a precise mode")
         events = InstantEvents(names)
-        pol.precise = events
         pname = policy
         caches = [events.cache(w, cfg.capacity_tokens, cfg.block_size) for w in names]
     else:
         caches = [PrefixCache(cfg.capacity_tokens, cfg.block_size) for _ in range(nw)]
+    learner = CapacityLearner() if cfg.learn_capacity else None
+    tier = RouterTier(
+        make,
+        names,
+        replicas=cfg.router_replicas,
+        max_tree_size=cfg.max_tree_size,
+        learner=learner,
+        events=events,
+    )
     cost = cfg.cost
     max_batch = cost.max_batch
-    loads: dict[str, int] = dict.fromkeys(names, 0)
     running = [0] * nw
     queues: list[deque[int]] = [deque() for _ in range(nw)]
     prefill_free = [0.0] * nw
@@ -222,7 +212,14 @@ def simulate(
     first_at = [0.0] * nreq
     interval = [0.0] * nreq
     done_at = [0.0] * nreq
-    select = pol.select
+    route = tier.route
+    bypass = bypass_plan(nreq, cfg.bypass_fraction, nw, cfg.seed)
+    routed = sum(1 for b in bypass if b < 0)
+    restart_every = cfg.restart_every_s
+    if restart_every is not None and restart_every <= 0:
+        raise ValueError("restart interval must be > 0")
+    next_restart = restart_every if restart_every is not None else float("inf")
+    restarts = 0
     decision_ns = 0
     perf = time.perf_counter_ns
     output_blocks = cfg.output_blocks
@@ -265,9 +262,14 @@ def simulate(
         e2e[r] = done - req.arrival_s
         schedule(r, w)
 
-    open_decisions: dict[int, Decision] = {}  # requests the policy tracks until they end
     nxt = 0
     while nxt < nreq or heap:
+        upcoming = min(heap[0][0] if heap else np.inf, arrivals[nxt] if nxt < nreq else np.inf)
+        if next_restart <= upcoming:
+            caches[restarts % nw].clear()  # AllBlocksCleared; running requests carry on
+            restarts += 1
+            next_restart += cast(float, restart_every)
+            continue
         if heap and (nxt >= nreq or heap[0][0] <= arrivals[nxt]):
             now, r, w = heapq.heappop(heap)
             h = handles[r]
@@ -282,23 +284,19 @@ def simulate(
                 caches[w].release(h)
                 handles[r] = None
             running[w] -= 1
-            loads[names[w]] -= 1
-            ticketed = open_decisions.pop(r, None)
-            if ticketed is not None:
-                pol.on_done(ticketed)
+            tier.done(r)
             if queues[w]:
                 admit(w, queues[w].popleft(), now)
             continue
         r = nxt
         nxt += 1
         now = arrivals[r]
-        t0 = perf()
-        decision = select(RouteRequest(tokens=cast(Sequence[int], reqs[r].tokens)), loads)
-        decision_ns += perf() - t0
-        loads[decision.worker] += 1
-        if decision.ticket is not None:
-            open_decisions[r] = decision
-        w = widx[decision.worker]
+        w = bypass[r]
+        if w < 0:
+            t0 = perf()
+            worker = route(r, RouteRequest(tokens=cast(Sequence[int], reqs[r].tokens)))
+            decision_ns += perf() - t0
+            w = widx[worker]
         assigned[r] = w
         per_worker[w] += 1
         if running[w] < max_batch:
@@ -306,13 +304,16 @@ def simulate(
         else:
             queues[w].append(r)
             if learner is not None:
-                learner.observe(decision.worker, running[w], len(queues[w]))
+                learner.observe(names[w], running[w], len(queues[w]))
 
     extra: dict[str, Any] = {
-        "final_inflight": sum(loads.values()),
+        "final_inflight": tier.in_flight(),
         "final_running": sum(running),
         "pinned_blocks": sum(c.pinned_blocks for c in caches),
         "workers": nw,
+        "router_replicas": cfg.router_replicas,
+        "bypassed": nreq - routed,
+        "restarts": restarts,
     }
     if record:
         extra["assigned"] = assigned
@@ -330,7 +331,7 @@ def simulate(
         output_tokens=output_tokens,
         duration_s=duration,
         per_worker=per_worker,
-        decision_us=decision_ns / 1000 / nreq if nreq else 0.0,
+        decision_us=decision_ns / 1000 / routed if routed else 0.0,
         extra=extra,
     )
 

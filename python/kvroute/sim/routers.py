@@ -1,0 +1,135 @@
+"""The router side of the fleet simulation: router replicas, traffic that bypasses them,
+and precise mode's event feed.
+
+What an approximate router cannot see, modelled so precise mode can be judged on it:
+
+* **Router replicas** (an HA deployment, ``replicas`` > 1). ``kvroute serve`` keeps its
+  state per process: its approximate index holds what *it* routed, its loads are the
+  requests *it* sent and has not seen end (``workers.Registry``). Here each replica is its
+  own policy instance with its own ``PrefixIndex`` (same ``max_tree_size``) and its own
+  loads, and routed requests are dealt to the replicas in turn (a round-robin load
+  balancer in front of them). What the replicas share is what they read from the
+  engines: the saturation guard's capacities come from the engines' ``/metrics`` (one
+  ``CapacityLearner`` for all, observing the engine's own running/waiting counts), and in
+  precise mode every replica subscribes to every engine's events (one ``BlockIndex``
+  stands for N identical copies). Each replica's pending prompts stay its own.
+* **Bypass** (``bypass_fraction``): that fraction of requests goes straight to a worker
+  chosen uniformly at random (a client pinned to an endpoint, a batch job): no replica
+  routes it or counts its load. Its blocks reach precise mode through the events like
+  any other. Which requests bypass and where they go depends only on ``seed``, so every
+  policy compared sees the same bypass traffic.
+
+Precise mode in virtual time (``InstantEvents``): the caches report straight into the
+``BlockIndex`` as they store, evict and clear blocks (no wire, no loss, no delay) and
+every worker is trusted, as the router does with ``--kv-events`` and every worker
+``precise``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kvroute._native import BlockIndex, PrefixIndex
+from kvroute.engine_load import CapacityLearner
+from kvroute.policies.base import Decision, Policy, RouteRequest
+from kvroute.sim.cache import PrefixCache
+
+PolicyFactory = Callable[[PrefixIndex], Policy]
+
+
+class InstantEvents:
+    """Precise mode in virtual time: caches report straight into a ``BlockIndex``; every
+    worker is trusted (the ``PreciseSource`` the policy asks)."""
+
+    def __init__(self, workers: Sequence[str]) -> None:
+        self.index = BlockIndex()
+        self.trusted = set(workers)
+
+    def match(self, tokens: Sequence[int]) -> tuple[dict[str, int], set[str]]:
+        return self.index.match(tokens), self.trusted
+
+    def cache(self, worker: str, capacity_tokens: int, block_size: int) -> PrefixCache:
+        index = self.index
+
+        def stored(hashes: list[int], parent: int | None, ids: list[int], bs: int) -> None:
+            index.stored(worker, parent, hashes, ids, bs)
+
+        def removed(hashes: list[int]) -> None:
+            index.removed(worker, hashes)
+
+        def cleared() -> None:
+            index.clear_worker(worker)
+
+        return PrefixCache(
+            capacity_tokens, block_size, on_store=stored, on_remove=removed, on_clear=cleared
+        )
+
+
+def bypass_plan(n: int, fraction: float, workers: int, seed: int) -> list[int]:
+    """Per request (arrival order): the worker it goes to directly, or -1 (routed)."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError("bypass fraction must be within [0, 1]")
+    if fraction == 0.0 or n == 0:
+        return [-1] * n
+    rng = np.random.default_rng([seed, 0xB1A5])  # apart from the workload's own stream
+    goes = rng.random(n) < fraction
+    where = rng.integers(0, workers, n)
+    return np.where(goes, where, -1).tolist()  # type: ignore[no-any-return]
+
+
+class RouterTier:
+    """``replicas`` instances of one policy in front of ``names``; see the module doc."""
+
+    def __init__(
+        self,
+        make: PolicyFactory,
+        names: Sequence[str],
+        *,
+        replicas: int = 1,
+        max_tree_size: int | None = None,
+        learner: CapacityLearner | None = None,
+        events: InstantEvents | None = None,
+    ) -> None:
+        if replicas < 1:
+            raise ValueError("router replicas must be >= 1")
+        self.names = list(names)
+        self.policies = [make(PrefixIndex(max_tree_size)) for _ in range(replicas)]
+        self.loads: list[dict[str, int]] = [dict.fromkeys(self.names, 0) for _ in self.policies]
+        self.learner = learner
+        for pol in self.policies:
+            for w in self.names:
+                pol.on_worker_added(w)
+            if learner is not None and hasattr(pol, "capacities"):
+                pol.capacities = learner.capacities
+            if events is not None:
+                if not hasattr(pol, "precise"):
+                    raise ValueError(f"{pol.name}: only cache_aware has a precise mode")
+                pol.precise = events
+        self._next = 0
+        # request -> (replica, its decision): released when the request ends.
+        self._open: dict[int, tuple[int, Decision]] = {}
+
+    def route(self, r: int, request: RouteRequest) -> str:
+        """The next replica in turn routes request ``r`` and reserves its load."""
+        k = self._next
+        self._next = (k + 1) % len(self.policies)
+        loads = self.loads[k]
+        decision = self.policies[k].select(request, loads)
+        loads[decision.worker] += 1
+        self._open[r] = (k, decision)
+        return decision.worker
+
+    def done(self, r: int) -> None:
+        """Request ``r`` ended: its replica releases the load (bypass requests: nothing)."""
+        opened = self._open.pop(r, None)
+        if opened is None:
+            return
+        k, decision = opened
+        self.loads[k][decision.worker] -= 1
+        if decision.ticket is not None:
+            self.policies[k].on_done(decision)
+
+    def in_flight(self) -> int:
+        return sum(sum(loads.values()) for loads in self.loads)
