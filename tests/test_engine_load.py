@@ -135,3 +135,38 @@ def test_router_learns_capacity_and_overflows(tmp_path: Path, processes: list[Se
     assert 'reason="overflow"' in metrics
     workers_json = httpx.get(router.url + "/workers").json()
     assert all(w["in_flight"] == 0 for w in workers_json)
+
+
+def test_router_counts_load_that_bypassed_it(tmp_path: Path, processes: list[Server]) -> None:
+    """Requests sent to a worker past the router (another router replica, a client
+    pinned to the worker) show in its engine's running/waiting counts: the guard adds
+    them to the router's own load and passes over the full holder."""
+    workers = [_sim_worker(tmp_path) for _ in range(2)]
+    processes.extend(workers)
+    router = start_router([w.url for w in workers], tmp_path, "--worker-capacity", "2")
+    processes.append(router)
+    body = {"model": "sim", "prompt": list(range(1, 257)), "max_tokens": 30}
+    quick = {**body, "max_tokens": 1}
+
+    async def run() -> tuple[str, dict[str, object], str]:
+        async with httpx.AsyncClient(timeout=30) as c:
+            first = await c.post(router.url + "/v1/completions", json=quick)
+            holder = first.headers["x-kvroute-worker"]
+            # Two long requests straight to the holder, unseen by the router.
+            direct = asyncio.gather(
+                *(c.post(holder + "/v1/completions", json=body) for _ in range(2))
+            )
+            external: dict[str, object] = {}
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not external.get(holder):
+                await asyncio.sleep(0.1)
+                rows = (await c.get(router.url + "/workers")).json()
+                external = {w["url"]: w["external_load"] for w in rows}
+            late = await c.post(router.url + "/v1/completions", json=quick)
+            await direct
+        return holder, external, late.headers["x-kvroute-worker"]
+
+    holder, external, late = asyncio.run(run())
+    assert external[holder] == 2, "the engine's load beyond the router's own requests"
+    assert late != holder, "the holder, full with requests the router did not send, is passed over"
+    assert 'reason="overflow"' in httpx.get(router.url + "/metrics").text

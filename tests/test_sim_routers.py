@@ -179,3 +179,57 @@ def test_simulate_cli_divergence_flags(capsys: pytest.CaptureFixture[str]) -> No
         assert row["extra"]["router_replicas"] == 2 and row["extra"]["bypassed"] > 0
     for bad in (["--router-replicas", "0"], ["--bypass-fraction", "2"], ["--restart-every", "0"]):
         assert main(base + bad) == 2
+
+
+def test_guard_counts_what_the_engine_holds_beyond_this_router() -> None:
+    """cache_aware's guard adds ``others`` (the engine's running + waiting beyond this
+    router's own requests) to a holder's load."""
+    index = PrefixIndex(None)
+    pol = create_policy("cache_aware", index, worker_capacity=2)
+    tokens = prompt(3).tolist()
+    index.insert("a", tokens)
+    loads = {"a": 1, "b": 0}
+    assert pol.select(RouteRequest(tokens=tokens), loads).worker == "a"
+    pol.others = {"a": 1}  # type: ignore[attr-defined]  # another replica's request
+    d = pol.select(RouteRequest(tokens=tokens), loads)
+    assert (d.worker, d.reason) == ("b", "overflow")
+
+
+def test_replicas_guard_a_holder_the_engine_reports_full() -> None:
+    """Two replicas each with one request on the holder of a prefix (capacity 2): each
+    sees the holder at half its capacity until an engine poll shows both."""
+    names = worker_names(2)
+    make = lambda index: create_policy("cache_aware", index, worker_capacity=2)  # noqa: E731
+    tier = RouterTier(make, names, replicas=2)
+    tokens = prompt(4).tolist()
+    holder, spare = names
+    for k, pol in enumerate(tier.policies):
+        pol.index.insert(holder, tokens)  # type: ignore[attr-defined]
+        tier.loads[k][holder] = 1
+    assert tier.policies[0].select(RouteRequest(tokens=tokens), tier.loads[0]).worker == holder
+    tier.poll([2, 0])  # the holder's engine runs both replicas' requests
+    assert tier.others == [{holder: 1, spare: 0}, {holder: 1, spare: 0}]
+    for k in (0, 1):
+        d = tier.policies[k].select(RouteRequest(tokens=tokens), tier.loads[k])
+        assert (d.worker, d.reason) == (spare, "overflow")
+
+
+def test_engine_polls_change_nothing_for_a_single_router() -> None:
+    """One router, no bypass: an engine holds exactly the router's requests, so the
+    guard's load is the same with polls as without."""
+    reqs = [Request(0.02 * i, prompt(i % 3), 200, i % 3) for i in range(60)]
+    prep = prepare(reqs, 16)
+
+    def run(replicas: int, poll: float | None) -> tuple[list[int], float]:
+        cfg = FleetConfig(
+            workers=4,
+            cost=COST,
+            router_replicas=replicas,
+            policy_settings={"worker_capacity": 4},
+            engine_poll_s=poll,
+        )
+        row = simulate(prep, "cache_aware", cfg, record=True)
+        return row.extra["assigned"], row.ttft_p99  # type: ignore[return-value]
+
+    assert run(1, 0.1) == run(1, None)
+    assert run(2, 0.1) != run(2, None)  # with two replicas the polls do change routing

@@ -28,7 +28,7 @@ from kvroute import __version__
 from kvroute._native import PrefixIndex
 from kvroute.admission import Admission
 from kvroute.config import ConfigError, Settings, normalize_worker_url
-from kvroute.engine_load import CapacityLearner, parse_engine_load
+from kvroute.engine_load import CapacityLearner, others_load, parse_engine_load
 from kvroute.errors import (
     BadRequestError,
     ForbiddenError,
@@ -73,6 +73,10 @@ class RouterState:
     started: float = field(default_factory=time.time)
     events: Any = None  # kvroute.events.EventTracker in precise mode
     capacity: CapacityLearner | None = None  # learned worker capacities (guard on auto)
+    # Saturation guard on: engines' /metrics read after each health check, and per worker
+    # the requests its engine holds that this router did not send (``others_load``).
+    polls_engine: bool = False
+    others: dict[str, int] = field(default_factory=dict)
     subscriber: Any = None
     # Set by ``kvroute serve`` on SIGTERM: the server stops accepting and, once the grace
     # period runs out, cancels what is still in flight.
@@ -105,6 +109,7 @@ class RouterState:
                 "circuit_open": now < w.circuit_open_until,
                 "mode": self.events.mode(w.url) if self.events is not None else "approximate",
                 "capacity": self.worker_capacity(w.url),
+                "external_load": self.others.get(w.url) if self.polls_engine else None,
             }
             for w in self.registry.workers.values()
         ]
@@ -155,6 +160,14 @@ def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) ->
     learns = settings.learn_capacity and settings.worker_capacity is None
     if learns and hasattr(policy, "capacities"):
         setup_capacity_learning(state)
+    if hasattr(policy, "others") and (learns or settings.worker_capacity is not None):
+        state.polls_engine = True
+        policy.others = state.others
+
+        def forget(url: str) -> None:
+            state.others.pop(url, None)
+
+        _chain_on_down(state, forget)
     if settings.kv_events:
         setup_precise(state)
     for url in settings.worker_urls:
@@ -183,8 +196,8 @@ def setup_capacity_learning(state: RouterState) -> None:
 
 
 async def poll_engine_load(state: RouterState, url: str) -> None:
-    """Read ``url``'s running/waiting counts from its /metrics into the learner."""
-    assert state.capacity is not None
+    """Read ``url``'s running/waiting counts from its /metrics: the learner's capacity
+    and the load its engine holds beyond this router's requests."""
     try:
         r = await state.client.get(
             url + "/metrics", timeout=state.settings.health_check_timeout_secs
@@ -192,8 +205,13 @@ async def poll_engine_load(state: RouterState, url: str) -> None:
     except httpx.HTTPError:
         return
     load = parse_engine_load(r.content) if r.status_code == 200 else None
-    if load is not None:
+    if load is None:
+        return
+    if state.capacity is not None:
         state.capacity.observe(url, *load)
+    worker = state.registry.workers.get(url)
+    if worker is not None:
+        state.others[url] = others_load(*load, worker.in_flight)
 
 
 def setup_precise(state: RouterState) -> None:
@@ -234,7 +252,7 @@ async def health_loop(state: RouterState) -> None:
             except httpx.HTTPError as e:
                 state.registry.record_check(url, False, type(e).__name__)
                 return
-            if state.capacity is not None and r.status_code == 200:
+            if state.polls_engine and r.status_code == 200:
                 await poll_engine_load(state, url)
 
         try:

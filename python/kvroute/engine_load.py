@@ -45,6 +45,14 @@ def parse_engine_load(text: bytes) -> tuple[int, int] | None:
     return (int(running), int(waiting)) if found else None
 
 
+def others_load(running: int, waiting: int, own: int) -> int:
+    """Requests an engine holds that this router did not send (other router replicas',
+    clients that bypass it), from one /metrics reading and this router's in-flight
+    count at that moment (never negative: the router also counts requests still on the
+    wire or finishing their answer)."""
+    return max(0, running + waiting - own)
+
+
 class CapacityLearner:
     """Per-worker capacity learned from (running, waiting) observations."""
 

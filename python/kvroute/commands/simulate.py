@@ -105,6 +105,15 @@ def configure(p: argparse.ArgumentParser) -> None:
         "(from --seed), unseen by the router: no index entry, no load (default: 0)",
     )
     d.add_argument(
+        "--health-check-interval-secs",
+        type=float,
+        default=5.0,
+        metavar="SECS",
+        help="with the saturation guard on, each engine's running/waiting counts are read "
+        "this often (as serve does after each health check); the guard adds what an engine "
+        "holds beyond the router's own requests (default: 5, serve's default)",
+    )
+    d.add_argument(
         "--restart-every",
         type=float,
         default=None,
@@ -162,6 +171,7 @@ def fleet_config(args: argparse.Namespace) -> Any:
         router_replicas=getattr(args, "router_replicas", 1),
         bypass_fraction=getattr(args, "bypass_fraction", 0.0),
         restart_every_s=getattr(args, "restart_every", None),
+        engine_poll_s=getattr(args, "health_check_interval_secs", 5.0),
         seed=args.seed,
     )
 
@@ -177,6 +187,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--router-replicas must be >= 1")
         if not 0.0 <= args.bypass_fraction <= 1.0:
             raise ValueError("--bypass-fraction must be within [0, 1]")
+        if not args.health_check_interval_secs > 0:
+            raise ValueError("--health-check-interval-secs must be > 0")
         if args.restart_every is not None and not args.restart_every > 0:
             raise ValueError("--restart-every must be > 0")
         policies = [p.strip() for p in args.policies.split(",") if p.strip()]

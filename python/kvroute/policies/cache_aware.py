@@ -20,7 +20,11 @@ too, so a hot prefix grows a second home instead of a hot spot. With every worke
 capacity the rule above applies unchanged. Capacities: ``worker_capacity`` for every
 worker when set (the engines' max running batch), else ``capacities`` per worker as
 learned from the engines' own running/waiting counts (``kvroute.engine_load``); a
-worker with no known capacity is never passed over.
+worker with no known capacity is never passed over. A worker's load for the guard is
+this router's in-flight requests plus ``others``: what its engine last reported running
+or waiting beyond them (other router replicas' requests, clients that bypass the
+router). Without it, each of N replicas sees about 1/N of an engine's load and the guard
+never fires.
 
 Precise mode (``--kv-events``): workers whose KV event stream is trusted are matched
 on what they really cache (``BlockIndex``, whole blocks), the others on the predicted
@@ -71,6 +75,8 @@ class CacheAware(Policy):
         self.worker_capacity = worker_capacity
         # Learned per-worker capacities (used when worker_capacity is None).
         self.capacities: Mapping[str, int] = {}
+        # Per worker: requests its engine holds that this router did not send.
+        self.others: Mapping[str, int] = {}
         self._ties = TieBreaker()
         self.precise: PreciseSource | None = None
         # Prompts routed and not yet ended, one pseudo-worker "<worker>\0<n>" each.
@@ -153,7 +159,7 @@ class CacheAware(Policy):
         cap = self.worker_capacity
         if cap is None:
             cap = self.capacities.get(worker)
-        return cap is not None and loads[worker] >= cap
+        return cap is not None and loads[worker] + self.others.get(worker, 0) >= cap
 
     def on_worker_added(self, worker: str) -> None:
         self.index.add_worker(worker)

@@ -81,6 +81,11 @@ class FleetConfig:
     router_replicas: int = 1
     bypass_fraction: float = 0.0
     restart_every_s: float | None = None
+    # With the saturation guard on, the router reads each engine's running/waiting
+    # counts this often (serve: after each health check, every 5 s by default), and
+    # the guard adds what an engine holds beyond the replica's own requests (other
+    # replicas', bypass traffic). None: never.
+    engine_poll_s: float | None = 5.0
     seed: int = 0
 
 
@@ -219,6 +224,11 @@ def simulate(
     if restart_every is not None and restart_every <= 0:
         raise ValueError("restart interval must be > 0")
     next_restart = restart_every if restart_every is not None else float("inf")
+    guard_on = cfg.learn_capacity or cfg.policy_settings.get("worker_capacity") is not None
+    poll_every = cfg.engine_poll_s if guard_on else None
+    if poll_every is not None and poll_every <= 0:
+        raise ValueError("engine poll interval must be > 0")
+    next_poll = poll_every if poll_every is not None else float("inf")
     restarts = 0
     decision_ns = 0
     perf = time.perf_counter_ns
@@ -265,6 +275,10 @@ def simulate(
     nxt = 0
     while nxt < nreq or heap:
         upcoming = min(heap[0][0] if heap else np.inf, arrivals[nxt] if nxt < nreq else np.inf)
+        if next_poll <= upcoming:
+            tier.poll([running[i] + len(queues[i]) for i in range(nw)])
+            next_poll += cast(float, poll_every)
+            continue
         if next_restart <= upcoming:
             caches[restarts % nw].clear()  # AllBlocksCleared; running requests carry on
             restarts += 1

@@ -18,6 +18,10 @@ What an approximate router cannot see, modelled so precise mode can be judged on
   routes it or counts its load. Its blocks reach precise mode through the events like
   any other. Which requests bypass and where they go depends only on ``seed``, so every
   policy compared sees the same bypass traffic.
+* **Engine load** (``poll``): as ``serve`` reads each engine's running/waiting counts
+  after its health checks, every replica learns at each poll how many requests an
+  engine holds beyond its own (``others``), which the saturation guard adds to the
+  replica's own load.
 
 Precise mode in virtual time (``InstantEvents``): the caches report straight into the
 ``BlockIndex`` as they store, evict and clear blocks (no wire, no loss, no delay) and
@@ -97,12 +101,15 @@ class RouterTier:
         self.names = list(names)
         self.policies = [make(PrefixIndex(max_tree_size)) for _ in range(replicas)]
         self.loads: list[dict[str, int]] = [dict.fromkeys(self.names, 0) for _ in self.policies]
+        self.others: list[dict[str, int]] = [dict.fromkeys(self.names, 0) for _ in self.policies]
         self.learner = learner
         for pol in self.policies:
             for w in self.names:
                 pol.on_worker_added(w)
             if learner is not None and hasattr(pol, "capacities"):
                 pol.capacities = learner.capacities
+            if hasattr(pol, "others"):
+                pol.others = self.others[self.policies.index(pol)]
             if events is not None:
                 if not hasattr(pol, "precise"):
                     raise ValueError(f"{pol.name}: only cache_aware has a precise mode")
@@ -130,6 +137,13 @@ class RouterTier:
         self.loads[k][decision.worker] -= 1
         if decision.ticket is not None:
             self.policies[k].on_done(decision)
+
+    def poll(self, engine: Sequence[int]) -> None:
+        """Each engine's running + waiting count (per worker, in ``names`` order) as
+        the replicas read it: what each holds beyond a replica's own requests."""
+        for loads, others in zip(self.loads, self.others, strict=True):
+            for w, held in zip(self.names, engine, strict=True):
+                others[w] = max(0, held - loads[w])
 
     def in_flight(self) -> int:
         return sum(sum(loads.values()) for loads in self.loads)
