@@ -169,4 +169,6 @@ def test_router_counts_load_that_bypassed_it(tmp_path: Path, processes: list[Ser
     holder, external, late = asyncio.run(run())
     assert external[holder] == 2, "the engine's load beyond the router's own requests"
     assert late != holder, "the holder, full with requests the router did not send, is passed over"
-    assert 'reason="overflow"' in httpx.get(router.url + "/metrics").text
+    metrics = httpx.get(router.url + "/metrics").text
+    assert 'reason="overflow"' in metrics
+    assert f'kvroute_worker_external_load{{worker="{holder}"}}' in metrics

@@ -59,16 +59,25 @@ class _FleetCollector(Collector):
             "absent while unknown)",
             labels=["worker"],
         )
+        external = GaugeMetricFamily(
+            "kvroute_worker_external_load",
+            "Requests a worker's engine last reported running or waiting beyond this "
+            "router's own (other routers, bypassing clients; absent with the guard off)",
+            labels=["worker"],
+        )
         for w in snap["workers"]:
             in_flight.add_metric([w["url"]], w["in_flight"])
             healthy.add_metric([w["url"]], 1 if w["healthy"] else 0)
             cached.add_metric([w["url"]], w["cached_tokens"])
             if w.get("capacity") is not None:
                 capacity.add_metric([w["url"]], w["capacity"])
+            if w.get("external_load") is not None:
+                external.add_metric([w["url"]], w["external_load"])
         yield in_flight
         yield healthy
         yield cached
         yield capacity
+        yield external
         stats = snap["index"]
         yield GaugeMetricFamily("kvroute_index_nodes", "Radix tree nodes", value=stats["nodes"])
         yield GaugeMetricFamily(
