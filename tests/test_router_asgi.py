@@ -4,6 +4,7 @@ auth, admission and body limits, where no real wire is needed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -346,72 +347,64 @@ def test_reservation_release_hook_runs_once() -> None:
     assert ended == [1] and registry.workers[WORKER].in_flight == 0
 
 
-async def test_complete_answers_pass_decoded_with_their_headers() -> None:
-    """A worker's compressed answer reaches the client decoded, with a matching length;
-    content-type and cache-control pass, the worker's other headers do not."""
+def compressing_worker(payload: bytes, headers: dict[str, str]) -> httpx.MockTransport:
+    """A worker answering ``payload`` with ``headers``, gzip-compressed (and saying so)
+    on /v1/completions, as it is elsewhere."""
     import gzip
-
-    payload = b'{"choices":[{"text":"' + b"z" * 5000 + b'"}]}'
 
     def handle(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/health":
             return httpx.Response(200, json={"ok": True})
-        gz = request.url.path == "/v1/completions"
-        return httpx.Response(
-            200,
-            content=gzip.compress(payload) if gz else payload,
-            headers={
-                "content-type": "application/json",
-                "cache-control": "no-store",
-                "x-worker-secret": "internal",
-                **({"content-encoding": "gzip"} if gz else {}),
-            },
-        )
+        if request.url.path == "/v1/completions":
+            gz = {**headers, "content-encoding": "gzip"}
+            return httpx.Response(200, content=gzip.compress(payload), headers=gz)
+        return httpx.Response(200, content=payload, headers=headers)
 
+    return httpx.MockTransport(handle)
+
+
+@contextlib.asynccontextmanager
+async def router_in_front_of(worker: httpx.MockTransport) -> AsyncIterator[httpx.AsyncClient]:
     app = create_app(Settings(worker_urls=[WORKER]).validate())
     async with app.router.lifespan_context(app):
-        app.state.router.use_transport(httpx.MockTransport(handle))
+        app.state.router.use_transport(worker)
         async with httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://router"
         ) as c:
-            for path, body in (("/v1/completions", {"prompt": "a"}), ("/generate", {"text": "a"})):
-                r = await c.post(path, json=body)
-                assert r.status_code == 200 and r.content == payload
-                assert r.headers["content-length"] == str(len(payload))
-                assert r.headers["content-type"] == "application/json"
-                assert r.headers["cache-control"] == "no-store"
-                assert r.headers["x-kvroute-worker"] == WORKER
-                assert "content-encoding" not in r.headers and "x-worker-secret" not in r.headers
+            yield c
+
+
+BOTH_ROUTES = (("/v1/completions", {"prompt": "a"}), ("/generate", {"text": "a"}))
+
+
+async def test_complete_answers_pass_decoded_with_their_headers() -> None:
+    """A worker's compressed answer reaches the client decoded, with a matching length;
+    content-type and cache-control pass, the worker's other headers do not."""
+    payload = b'{"choices":[{"text":"' + b"z" * 5000 + b'"}]}'
+    headers = {
+        "content-type": "application/json",
+        "cache-control": "no-store",
+        "x-worker-secret": "internal",
+    }
+    async with router_in_front_of(compressing_worker(payload, headers)) as c:
+        for path, body in BOTH_ROUTES:
+            r = await c.post(path, json=body)
+            assert r.status_code == 200 and r.content == payload
+            assert r.headers["content-length"] == str(len(payload))
+            assert r.headers["content-type"] == "application/json"
+            assert r.headers["cache-control"] == "no-store"
+            assert r.headers["x-kvroute-worker"] == WORKER
+            assert "content-encoding" not in r.headers and "x-worker-secret" not in r.headers
 
 
 async def test_streams_pass_decoded() -> None:
     """A streamed answer is relayed as the worker sent it, decoded if it was compressed
     (the router never forwards Content-Encoding)."""
-    import gzip
-
     events = b"".join(b'data: {"n": %d}\n\n' % i for i in range(50)) + b"data: [DONE]\n\n"
-
-    def handle(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/health":
-            return httpx.Response(200, json={"ok": True})
-        gz = request.url.path == "/v1/completions"
-        return httpx.Response(
-            200,
-            content=gzip.compress(events) if gz else events,
-            headers={
-                "content-type": "text/event-stream",
-                **({"content-encoding": "gzip"} if gz else {}),
-            },
-        )
-
-    app = create_app(Settings(worker_urls=[WORKER]).validate())
-    async with app.router.lifespan_context(app):
-        app.state.router.use_transport(httpx.MockTransport(handle))
-        async with httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://router"
-        ) as c:
-            for path, body in (("/v1/completions", {"prompt": "a"}), ("/generate", {"text": "a"})):
-                r = await c.post(path, json={**body, "stream": True})
-                assert r.status_code == 200 and r.content == events
-                assert r.headers["content-type"].startswith("text/event-stream")
-                assert "content-encoding" not in r.headers
+    worker = compressing_worker(events, {"content-type": "text/event-stream"})
+    async with router_in_front_of(worker) as c:
+        for path, body in BOTH_ROUTES:
+            r = await c.post(path, json={**body, "stream": True})
+            assert r.status_code == 200 and r.content == events
+            assert r.headers["content-type"].startswith("text/event-stream")
+            assert "content-encoding" not in r.headers
