@@ -57,8 +57,8 @@ RETRYABLE = (
     httpx.ReadError,
     httpx.RemoteProtocolError,
 )
-PASS_HEADERS = ("content-type", "cache-control")
-PASS_RAW = frozenset(h.encode() for h in PASS_HEADERS)
+# Worker answer headers passed on to the client (besides the router's own).
+PASS_HEADERS = frozenset((b"content-type", b"cache-control"))
 CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 
@@ -70,11 +70,12 @@ class ProxyStream(StreamingResponse):
         self,
         body: AsyncIterator[bytes],
         status_code: int,
-        headers: dict[str, str],
+        raw_headers: list[tuple[bytes, bytes]],
         cleanup: Callable[[], Any],
         draining: Callable[[], bool] = lambda: False,
     ) -> None:
-        super().__init__(body, status_code=status_code, headers=headers)
+        super().__init__(body, status_code=status_code)
+        self.raw_headers = raw_headers
         self._cleanup = cleanup
         self._draining = draining
 
@@ -117,25 +118,22 @@ async def read_body(request: Request, limit: int) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-async def read_answer(upstream: httpx.Response) -> bytes:
-    """The whole answer. Without a Content-Encoding (the router sends no
-    Accept-Encoding) the bytes are read off the stream as they are, skipping httpx's
-    decoder and chunker chain (3x cheaper); else decoded by httpx."""
-    if "content-encoding" in upstream.headers:
-        return await upstream.aread()
-    try:
-        parts = [chunk async for chunk in upstream.stream]  # type: ignore[union-attr]
-    finally:
-        await upstream.aclose()
-    return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
 def answer_chunks(upstream: httpx.Response) -> AsyncIterator[bytes]:
-    """A streamed answer's chunks as they arrive: decoded by httpx when the worker set a
-    Content-Encoding, else straight off the transport's stream."""
+    """The answer's chunks as they arrive: decoded by httpx when the worker set a
+    Content-Encoding, else straight off the transport's stream (the router sends no
+    Accept-Encoding; this skips httpx's decoder and chunker chain, 3x cheaper)."""
     if "content-encoding" in upstream.headers:
         return upstream.aiter_bytes()
     return upstream.stream.__aiter__()  # type: ignore[union-attr]
+
+
+async def read_answer(upstream: httpx.Response) -> bytes:
+    """The whole answer (see ``answer_chunks``); the response is closed after."""
+    try:
+        parts = [chunk async for chunk in answer_chunks(upstream)]
+    finally:
+        await upstream.aclose()
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def parse_object(body: bytes) -> dict[str, Any]:
@@ -278,18 +276,18 @@ class Forwarder:
             except BaseException:
                 await self._abandon(upstream, res)
                 raise
+            raw = [(b"x-kvroute-worker", decision.worker.encode()), (b"x-request-id", rid.encode())]
+            for name, value in upstream.headers.raw:
+                name = name.lower()
+                if name in PASS_HEADERS:
+                    raw.append((name, value))
             if streaming:
-                out_headers = {
-                    h: upstream.headers[h] for h in PASS_HEADERS if h in upstream.headers
-                }
-                out_headers["x-kvroute-worker"] = decision.worker
-                out_headers["x-request-id"] = rid
                 return ProxyStream(
                     self._relay(
                         upstream, decision.worker, rid, deadline, decision.matched_tokens, source
                     ),
                     upstream.status_code,
-                    out_headers,
+                    raw,
                     self._closer(upstream, res, kind, t0, upstream.status_code),
                     lambda: s.draining,
                 )
@@ -297,15 +295,7 @@ class Forwarder:
             self._done(kind, upstream.status_code, t0)
             if upstream.status_code == 200:
                 self._reuse(content, decision.matched_tokens, source)
-            raw = [
-                (b"x-kvroute-worker", decision.worker.encode()),
-                (b"x-request-id", rid.encode()),
-                (b"content-length", str(len(content)).encode()),
-            ]
-            for name, value in upstream.headers.raw:
-                name = name.lower()
-                if name in PASS_RAW:
-                    raw.append((name, value))
+            raw.append((b"content-length", str(len(content)).encode()))
             return RawResponse(content, upstream.status_code, raw)
         raise UnavailableError(f"no healthy worker could take the request ({last_error})")
 

@@ -24,8 +24,8 @@ KEEPALIVE_EXPIRY_SECS = 30.0
 SHARDS = 8
 # Of the headers httpx adds to every request, keep only a user agent: fewer headers to
 # validate and write, and without Accept-Encoding answers come back as they are.
-DEFAULT_HEADERS = {"user-agent": "kvroute"}
 USER_AGENT = b"kvroute"
+DEFAULT_HEADERS = {"user-agent": USER_AGENT.decode()}
 DROPPED_HEADERS = ("accept", "accept-encoding", "connection")
 
 
@@ -68,17 +68,16 @@ class PerWorkerPools(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
         key = (url.raw_scheme, url.raw_host, url.port)
-        origin = self._origins.get(key)
-        if origin is not None and request.method in h1pool.METHODS:
-            return await h1pool.send(origin, request)
         if key[0] == b"http" and request.method in h1pool.METHODS:
-            origin = self._origins[key] = h1pool.Origin(
-                url.host,
-                url.port or 80,
-                MAX_CONNECTIONS_PER_WORKER,
-                MAX_KEEPALIVE_PER_WORKER,
-                KEEPALIVE_EXPIRY_SECS,
-            )
+            origin = self._origins.get(key)
+            if origin is None:
+                origin = self._origins[key] = h1pool.Origin(
+                    url.host,
+                    url.port or 80,
+                    MAX_CONNECTIONS_PER_WORKER,
+                    MAX_KEEPALIVE_PER_WORKER,
+                    KEEPALIVE_EXPIRY_SECS,
+                )
             return await h1pool.send(origin, request)
         shards = self._pools.get(key)
         if shards is None:
