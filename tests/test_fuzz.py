@@ -73,8 +73,7 @@ def test_no_router_5xx(route: str, body: bytes, method: str) -> None:
         app = make_app()
         async with app.router.lifespan_context(app):
             state = app.state.router
-            await state.client.aclose()
-            state.use_transport(
+            await state.use_transport(
                 httpx.MockTransport(
                     lambda r: httpx.Response(200, json={"choices": [{"text": "ok"}]})
                 )

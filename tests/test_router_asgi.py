@@ -34,8 +34,7 @@ async def make_client(
     ctx = app.router.lifespan_context(app)
     await ctx.__aenter__()
     state = app.state.router
-    await state.client.aclose()
-    state.use_transport(mock_worker(calls))
+    await state.use_transport(mock_worker(calls))
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
     return client, lambda: ctx.__aexit__(None, None, None), state
 
@@ -175,8 +174,7 @@ async def test_admission_queue_overflow_is_429() -> None:
     )
     async with app.router.lifespan_context(app):
         state = app.state.router
-        await state.client.aclose()
-        state.use_transport(httpx.MockTransport(slow))
+        await state.use_transport(httpx.MockTransport(slow))
         async with httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://r"
         ) as c:
@@ -264,8 +262,7 @@ async def test_a_request_never_retries_a_worker_that_failed_it(failing: int) -> 
     )
     async with app.router.lifespan_context(app):
         state = app.state.router
-        await state.client.aclose()
-        state.use_transport(httpx.MockTransport(handle))
+        await state.use_transport(httpx.MockTransport(handle))
 
         async def revive() -> None:
             while True:
@@ -367,7 +364,7 @@ def compressing_worker(payload: bytes, headers: dict[str, str]) -> httpx.MockTra
 async def router_in_front_of(worker: httpx.MockTransport) -> AsyncIterator[httpx.AsyncClient]:
     app = create_app(Settings(worker_urls=[WORKER]).validate())
     async with app.router.lifespan_context(app):
-        app.state.router.use_transport(worker)
+        await app.state.router.use_transport(worker)
         async with httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://router"
         ) as c:

@@ -82,8 +82,10 @@ class RouterState:
     # period runs out, cancels what is still in flight.
     draining: bool = False
 
-    def use_transport(self, transport: httpx.AsyncBaseTransport) -> None:
-        """Send all upstream traffic through ``transport`` (tests: a mock worker)."""
+    async def use_transport(self, transport: httpx.AsyncBaseTransport) -> None:
+        """Send all upstream traffic through ``transport`` (tests: a mock worker); the
+        client it replaces is closed."""
+        await self.client.aclose()
         self.client = httpx.AsyncClient(transport=transport)
         self.forward = Forward(self.client, transport)
 
