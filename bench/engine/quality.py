@@ -11,7 +11,20 @@ Poisson arrival times), stops the router and reads the counters again. Per route
   counts, deltas over the run) and from the answers'
   ``usage.prompt_tokens_details.cached_tokens`` (cached / prompt tokens);
 * TTFT p50/p99 as the client sees it (first streamed chunk with a choice);
-* requests per replica (``vllm:request_success`` deltas).
+* requests per replica (``vllm:request_success`` deltas);
+* for kvroute, the router's CPU seconds and its predicted vs reported reused tokens.
+
+Precise mode (``kvroute-cache_aware+events``): the replicas publish KV cache events, each
+on its own ``ipc://`` socket with a replay endpoint, and kvroute connects to all of them
+(``--kv-events URL=ipc://...;replay=tcp://...``); before the timed replay every replica's
+prefix cache is reset (vLLM publishes ``AllBlocksCleared``) until the router shows every
+replica ``precise``. ``--router-replicas N`` starts N routers of each kind with the same
+flags and deals the requests to them in turn (an HA deployment; each router has its own
+index and loads; in precise mode all of them read every replica's events).
+
+Cache pressure: ``--kv-blocks B`` gives each replica B KV blocks of ``--block-size``
+tokens (default: the whole 1 GiB, ~130k tokens, no eviction); the script prints the
+groups' system prompts as a share of the fleet's KV (the llm-d shape: ~73%).
 
 Workload: ``--groups`` system prompts of ~``--system-tokens`` tokens (random words,
 counted with the model's tokenizer), each asked ``--per-group`` distinct questions;
@@ -44,11 +57,19 @@ import serve
 
 from kvroute.peers import PEERS
 from kvroute.procs import Server, free_port
-from kvroute.quality import RouterSpec, start_router
+from kvroute.quality import (
+    RouterSpec,
+    cpu_seconds,
+    kvroute_spec,
+    routing_counters,
+    start_router,
+    worker_modes,
+)
 from kvroute.sim.report import percentile
 
 ROOT = serve.ROOT
 ROUTERS = ("kvroute-round_robin", "kvroute-cache_aware", "sglang", "vllm")
+PRECISE = "kvroute-cache_aware+events"  # also accepted in --routers
 SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "ta", "shi", "vo", "pe", "zu", "gra", "tel", "om")
 
 
@@ -155,37 +176,88 @@ async def _one(client: httpx.AsyncClient, url: str, req: ChatRequest, out_len: i
     }
 
 
-async def replay(url: str, requests: list[ChatRequest], out_len: int) -> list[dict]:  # type: ignore[type-arg]
-    async with httpx.AsyncClient(timeout=httpx.Timeout(300, connect=10), trust_env=False) as c:
+async def replay(url: str | list[str], requests: list[ChatRequest], out_len: int) -> list[dict]:  # type: ignore[type-arg]
+    """Each request at its arrival time; several URLs (router replicas): request ``i`` to
+    ``url[i % len(url)]``."""
+    urls = [url] if isinstance(url, str) else url
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(600, connect=10)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as c:
         t0 = time.perf_counter()
 
-        async def at(req: ChatRequest) -> dict:  # type: ignore[type-arg]
+        async def at(i: int, req: ChatRequest) -> dict:  # type: ignore[type-arg]
             await asyncio.sleep(max(req.arrival_s - (time.perf_counter() - t0), 0))
-            return await _one(c, url, req, out_len)
+            return await _one(c, urls[i % len(urls)], req, out_len)
 
-        return list(await asyncio.gather(*(at(r) for r in requests)))
+        return list(await asyncio.gather(*(at(i, r) for i, r in enumerate(requests))))
 
 
 def spec_for(name: str) -> RouterSpec:
     if name.startswith("kvroute-"):
-        policy = name.removeprefix("kvroute-")
-        return RouterSpec(f"kvroute {policy}", "kvroute", policy, ("--tokenizer", str(serve.MODEL)))
+        return kvroute_spec(name.removeprefix("kvroute-"), ("--tokenizer", str(serve.MODEL)))
     return RouterSpec(f"{PEERS[name].name} cache_aware", name, "cache_aware")
 
 
+def reset_caches(replicas: list[Server]) -> None:
+    """Reset every replica's prefix cache. vLLM publishes the ``AllBlocksCleared`` event
+    with its next engine step, so each replica then runs one request of a prompt shorter
+    than a block (it stores nothing)."""
+    with httpx.Client(timeout=60, trust_env=False) as c:
+        for r in replicas:
+            c.post(r.url + "/reset_prefix_cache").raise_for_status()
+        for r in replicas:
+            body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 1}
+            c.post(r.url + "/v1/completions", json=body).raise_for_status()
+
+
+def wait_precise(routers: list[Server], replicas: list[Server], timeout_s: float = 60.0) -> None:
+    """Reset the caches (a full state for every stream) until every router shows every
+    replica ``precise``: ZMQ drops what a publisher sends before a subscription lands."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reset_caches(replicas)
+        time.sleep(0.5)
+        modes = [worker_modes(r) for r in routers]
+        if all(m.get(w.url) == "precise" for m in modes for w in replicas):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"replicas not precise after {timeout_s:.0f}s: {modes}")
+
+
 def run_router(
-    name: str, replicas: list[Server], requests: list[ChatRequest], out_len: int, logs: str
+    name: str,
+    replicas: list[Server],
+    requests: list[ChatRequest],
+    out_len: int,
+    logs: str,
+    *,
+    router_replicas: int = 1,
 ) -> dict[str, Any]:
-    """One router over the whole workload, from cold caches; vLLM's counters judge it."""
-    for r in replicas:
-        httpx.post(r.url + "/reset_prefix_cache", timeout=30, trust_env=False).raise_for_status()
-    before = [counters(r.url) for r in replicas]
+    """One router (or ``router_replicas`` of it) over the whole workload, from cold
+    caches; vLLM's counters judge it."""
     spec = spec_for(name)
-    router = start_router(spec, replicas, logs, ROOT)
+    routers: list[Server] = []
+    routing: dict[str, float] = {}
     try:
-        outcomes = asyncio.run(replay(router.url, requests, out_len))
+        for _ in range(router_replicas):
+            routers.append(start_router(spec, replicas, logs, ROOT))
+        if spec.kv_events:
+            wait_precise(routers, replicas)
+        else:
+            reset_caches(replicas)
+        before = [counters(r.url) for r in replicas]
+        outcomes = asyncio.run(replay([r.url for r in routers], requests, out_len))
+        for router in routers:
+            cpu = cpu_seconds(router.pid)
+            if cpu is not None:
+                routing["router_cpu_s"] = routing.get("router_cpu_s", 0.0) + cpu
+            if spec.kind == "kvroute":
+                text = httpx.get(router.url + "/metrics", timeout=10, trust_env=False).text
+                for k, v in routing_counters(text).items():
+                    routing[k] = routing.get(k, 0.0) + v
     finally:
-        router.stop()
+        for router in routers:
+            router.stop()
     after = [counters(r.url) for r in replicas]
     delta = {k: sum(a[k] - b[k] for a, b in zip(after, before, strict=True)) for k in before[0]}
     ok = [o for o in outcomes if o["status"] == 200]
@@ -195,22 +267,38 @@ def run_router(
         "name": spec.name,
         "requests": len(ok),
         "errors": [o["error"] for o in outcomes if o["status"] != 200][:3],
+        "failed": len(outcomes) - len(ok),
         "hit_rate_metrics": delta["hits"] / delta["queries"] if delta["queries"] else 0.0,
         "hit_rate_usage": sum(o["cached_tokens"] for o in ok) / prompt if prompt else 0.0,
         "ttft_p50": percentile(ttft, 50),
+        "ttft_p90": percentile(ttft, 90),
         "ttft_p99": percentile(ttft, 99),
         "per_replica": [
             int(a["requests"] - b["requests"]) for a, b in zip(after, before, strict=True)
         ],
         "prompt_tokens": prompt,
+        "router_replicas": router_replicas,
+        "routing": routing,
+        "ttft": [round(t, 4) for t in ttft],
     }
 
 
-def start_replicas(n: int, block_size: int, logs: str) -> list[Server]:
+def start_replicas(
+    n: int,
+    block_size: int,
+    logs: str,
+    *,
+    kv_blocks: int | None = None,
+    max_model_len: int = 4096,
+    events: bool = False,
+) -> list[Server]:
+    """``kv_blocks`` None: the whole 1 GiB, ~130k tokens of the tiny model, no eviction.
+    ``events``: each replica publishes KV events on its own socket, with a replay
+    endpoint; ``Server.extra["kv_events"]`` is kvroute's ``--kv-events`` for it."""
     opts = serve.ReplicaOptions(
         block_size=block_size,
-        num_gpu_blocks=None,  # the whole 1 GiB: ~130k tokens of the tiny model, no eviction
-        max_model_len=4096,
+        num_gpu_blocks=kv_blocks,
+        max_model_len=max_model_len,
         extra_args=["--enable-scale-out"],
     )
     ncpu = os.cpu_count() or 1
@@ -218,11 +306,23 @@ def start_replicas(n: int, block_size: int, logs: str) -> list[Server]:
     try:
         for i in range(n):
             port = free_port()
+            endpoint = replay_at = None
+            if events:
+                endpoint = f"ipc://{logs}/events-{i}.sock"
+                replay_at = f"tcp://127.0.0.1:{free_port()}"
             replicas.append(
                 serve.start_replica(
-                    port, i % ncpu, events_endpoint=None, options=opts, scratch=f"{logs}/r{i}"
+                    port,
+                    i % ncpu,
+                    events_endpoint=endpoint,
+                    replay_endpoint=replay_at,
+                    options=opts,
+                    scratch=f"{logs}/r{i}",
                 )
             )
+            if events:
+                spec = f"{replicas[-1].url}={endpoint};replay={replay_at}"
+                replicas[-1].extra["kv_events"] = spec
         # One short request each, so no router pays for a replica's first forward pass.
         warm = ChatRequest(0.0, -1, [{"role": "user", "content": "warm up"}])
         for r in replicas:
@@ -239,14 +339,22 @@ def start_replicas(n: int, block_size: int, logs: str) -> list[Server]:
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| router/policy | hit rate (vLLM /metrics) | hit rate (cached_tokens) "
-        "| TTFT p50 / p99 (s) | requests per replica |",
-        "|---|---|---|---|---|",
+        "| TTFT p50 / p90 / p99 (s) | requests per replica | errors "
+        "| predicted / reported reuse (tokens) | router CPU (s) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        rt = r.get("routing", {})
+        pred = sum(v for k, v in rt.items() if k.startswith("predicted/"))
+        got = sum(v for k, v in rt.items() if k.startswith("reported/"))
+        reuse = f"{pred:,.0f} / {got:,.0f}" if got else ""
+        cpu = f"{rt['router_cpu_s']:.1f}" if "router_cpu_s" in rt else ""
         lines.append(
             f"| {r['name']} | {r['hit_rate_metrics']:.1%} | {r['hit_rate_usage']:.1%} "
-            f"| {r['ttft_p50']:.3f} / {r['ttft_p99']:.3f} "
-            f"| {'/'.join(map(str, r['per_replica']))} |"
+            f"| {r['ttft_p50']:.3f} / {r.get('ttft_p90', float('nan')):.3f} / "
+            f"{r['ttft_p99']:.3f} | {'/'.join(map(str, r['per_replica']))} "
+            f"| {r.get('failed', '')} "
+            f"| {reuse} | {cpu} |"
         )
     return "\n".join(lines)
 
@@ -264,7 +372,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--routers", default=",".join(ROUTERS), help=f"from: {', '.join(ROUTERS)}")
+    ap.add_argument(
+        "--routers",
+        default=",".join(ROUTERS),
+        help=f"from: {', '.join((*ROUTERS, PRECISE))} (the last: kvroute in precise mode)",
+    )
+    ap.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=None,
+        help="KV blocks per replica (default: the whole 1 GiB, no eviction)",
+    )
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument(
+        "--router-replicas",
+        type=int,
+        default=1,
+        help="routers of each kind, dealt requests in turn",
+    )
     ap.add_argument("--json", default=None, help="write the rows as JSON to this file")
     args = ap.parse_args(argv)
     missing = serve.engine_available()
@@ -272,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(missing)
     names = [n for n in args.routers.split(",") if n]
     for n in names:
+        if n not in (*ROUTERS, PRECISE):
+            sys.exit(f"unknown router {n!r}; from: {', '.join((*ROUTERS, PRECISE))}")
         if not n.startswith("kvroute-") and not PEERS[n].installed(ROOT):
             sys.exit(f"{n} not installed: {PEERS[n].install_hint()}")
     requests = workload(
@@ -282,12 +409,36 @@ def main(argv: list[str] | None = None) -> int:
         args.rate,
         args.seed,
     )
+    if args.kv_blocks is not None:
+        system = args.groups * args.system_tokens
+        fleet = args.kv_blocks * args.block_size * args.replicas
+        print(
+            f"system prompts: ~{system:,} tokens, {system / fleet:.0%} of the fleet's KV "
+            f"({args.replicas} x {args.kv_blocks} blocks x {args.block_size} tokens)",
+            file=sys.stderr,
+        )
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvroute-engine-") as logs:
-        replicas = start_replicas(args.replicas, args.block_size, logs)
+        replicas = start_replicas(
+            args.replicas,
+            args.block_size,
+            logs,
+            kv_blocks=args.kv_blocks,
+            max_model_len=args.max_model_len,
+            events=PRECISE in names,
+        )
         try:
             for name in names:
-                rows.append(run_router(name, replicas, requests, args.output_tokens, logs))
+                rows.append(
+                    run_router(
+                        name,
+                        replicas,
+                        requests,
+                        args.output_tokens,
+                        logs,
+                        router_replicas=args.router_replicas,
+                    )
+                )
                 print(f"done: {rows[-1]['name']}", file=sys.stderr, flush=True)
         finally:
             for r in replicas:
