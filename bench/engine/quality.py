@@ -57,14 +57,7 @@ import serve
 
 from kvroute.peers import PEERS
 from kvroute.procs import Server, free_port
-from kvroute.quality import (
-    RouterSpec,
-    cpu_seconds,
-    kvroute_spec,
-    routing_counters,
-    start_router,
-    worker_modes,
-)
+from kvroute.quality import RouterSpec, kvroute_spec, router_counters, start_router, wait_precise
 from kvroute.sim.report import percentile
 
 ROOT = serve.ROOT
@@ -198,30 +191,13 @@ def spec_for(name: str) -> RouterSpec:
     return RouterSpec(f"{PEERS[name].name} cache_aware", name, "cache_aware")
 
 
-def reset_caches(replicas: list[Server]) -> None:
-    """Reset every replica's prefix cache. vLLM publishes the ``AllBlocksCleared`` event
-    with its next engine step, so each replica then runs one request of a prompt shorter
-    than a block (it stores nothing)."""
-    with httpx.Client(timeout=60, trust_env=False) as c:
-        for r in replicas:
-            c.post(r.url + "/reset_prefix_cache").raise_for_status()
-        for r in replicas:
-            body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 1}
-            c.post(r.url + "/v1/completions", json=body).raise_for_status()
-
-
-def wait_precise(routers: list[Server], replicas: list[Server], timeout_s: float = 60.0) -> None:
-    """Reset the caches (a full state for every stream) until every router shows every
-    replica ``precise``: ZMQ drops what a publisher sends before a subscription lands."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        reset_caches(replicas)
-        time.sleep(0.5)
-        modes = [worker_modes(r) for r in routers]
-        if all(m.get(w.url) == "precise" for m in modes for w in replicas):
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"replicas not precise after {timeout_s:.0f}s: {modes}")
+def reset_cache(client: httpx.Client, replica: Server) -> None:
+    """Reset a replica's prefix cache. vLLM publishes the ``AllBlocksCleared`` event with
+    its next engine step, so the replica then runs one request of a prompt shorter than a
+    block (it stores nothing)."""
+    client.post(replica.url + "/reset_prefix_cache").raise_for_status()
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 1}
+    client.post(replica.url + "/v1/completions", json=body).raise_for_status()
 
 
 def run_router(
@@ -237,24 +213,17 @@ def run_router(
     caches; vLLM's counters judge it."""
     spec = spec_for(name)
     routers: list[Server] = []
-    routing: dict[str, float] = {}
     try:
         for _ in range(router_replicas):
             routers.append(start_router(spec, replicas, logs, ROOT))
-        if spec.kv_events:
-            wait_precise(routers, replicas)
-        else:
-            reset_caches(replicas)
+        for router in routers if spec.kv_events else ():
+            wait_precise(router, replicas, timeout_s=60, flush=reset_cache)
+        with httpx.Client(timeout=60, trust_env=False) as c:
+            for r in replicas:  # cold caches for the run
+                reset_cache(c, r)
         before = [counters(r.url) for r in replicas]
         outcomes = asyncio.run(replay([r.url for r in routers], requests, out_len))
-        for router in routers:
-            cpu = cpu_seconds(router.pid)
-            if cpu is not None:
-                routing["router_cpu_s"] = routing.get("router_cpu_s", 0.0) + cpu
-            if spec.kind == "kvroute":
-                text = httpx.get(router.url + "/metrics", timeout=10, trust_env=False).text
-                for k, v in routing_counters(text).items():
-                    routing[k] = routing.get(k, 0.0) + v
+        routing = router_counters(routers, spec)
     finally:
         for router in routers:
             router.stop()

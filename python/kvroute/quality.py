@@ -140,18 +140,28 @@ def worker_modes(router: Server) -> dict[str, str]:
         return {w["url"]: str(w["mode"]) for w in c.get(router.url + "/workers").json()}
 
 
-def wait_precise(router: Server, workers: Sequence[Server], timeout_s: float = 30.0) -> None:
+def flush_sim_worker(client: httpx.Client, worker: Server) -> None:
+    client.post(worker.url + "/flush_cache").raise_for_status()
+
+
+def wait_precise(
+    router: Server,
+    workers: Sequence[Server],
+    timeout_s: float = 30.0,
+    flush: Callable[[httpx.Client, Server], None] = flush_sim_worker,
+) -> None:
     """Flush the cache of every worker the router does not trust yet (its
-    ``AllBlocksCleared`` is a full state) until all are ``precise``; raise on timeout."""
+    ``AllBlocksCleared`` is a full state) until all are ``precise``; raise on timeout.
+    ``flush``: how to empty one worker's cache so that its engine publishes that."""
     deadline = time.monotonic() + timeout_s
     modes = worker_modes(router)
-    with httpx.Client(timeout=10, trust_env=False) as c:
+    with httpx.Client(timeout=30, trust_env=False) as c:
         while time.monotonic() < deadline:
             pending = [w for w in workers if modes.get(w.url) != "precise"]
             if not pending:
                 return
             for w in pending:
-                c.post(w.url + "/flush_cache").raise_for_status()
+                flush(c, w)
             time.sleep(0.2)
             modes = worker_modes(router)
     raise TimeoutError(f"workers not precise after {timeout_s:.0f}s: {modes}")
@@ -188,6 +198,21 @@ def routing_counters(text: str) -> dict[str, float]:
             f"{lab.get('reason', '')}/{lab.get('source', '')}" if not names[name] else lab["source"]
         )
         out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def router_counters(routers: Sequence[Server], spec: RouterSpec) -> dict[str, float]:
+    """The routers' CPU seconds so far (``router_cpu_s``, with start-up) and, for kvroute,
+    their decision and reuse counters (``routing_counters``), summed over the routers."""
+    out: dict[str, float] = {}
+    with httpx.Client(timeout=10, trust_env=False) as c:
+        for router in routers:
+            cpu = cpu_seconds(router.pid)
+            if cpu is not None:
+                out["router_cpu_s"] = round(out.get("router_cpu_s", 0.0) + cpu, 2)
+            if spec.kind == "kvroute":
+                for k, v in routing_counters(c.get(router.url + "/metrics").text).items():
+                    out[k] = out.get(k, 0.0) + v
     return out
 
 
@@ -230,7 +255,6 @@ def run_router(
     and reuse counters (summed over ``replicas`` routers, dealt requests in turn)."""
     reset_workers(workers)
     routers: list[Server] = []
-    counters: dict[str, float] = {}
     try:
         for _ in range(replicas):
             routers.append(start_router(spec, workers, log_dir, root))
@@ -242,17 +266,11 @@ def run_router(
         outcomes, wall = asyncio.run(
             replay([r.url for r in routers], requests, time_scale=time_scale, on_done=on_done)
         )
-        for router in routers:
-            cpu = cpu_seconds(router.pid)
-            if cpu is not None:  # the router's CPU time (wall seconds), with start-up
-                counters["router_cpu_s"] = round(counters.get("router_cpu_s", 0.0) + cpu, 2)
-            if spec.kind == "kvroute":
-                with httpx.Client(timeout=10, trust_env=False) as c:
-                    for k, v in routing_counters(c.get(router.url + "/metrics").text).items():
-                        counters[k] = counters.get(k, 0.0) + v
-                if spec.kv_events:
-                    for m in worker_modes(router).values():  # workers per mode at the end
-                        counters[f"mode/{m}"] = counters.get(f"mode/{m}", 0.0) + 1
+        counters = router_counters(routers, spec)
+        if spec.kv_events:
+            for router in routers:
+                for m in worker_modes(router).values():  # workers per mode at the end
+                    counters[f"mode/{m}"] = counters.get(f"mode/{m}", 0.0) + 1
     finally:
         for router in routers:
             router.stop()
