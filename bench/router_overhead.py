@@ -12,7 +12,7 @@ and answers a fixed chat completion) receive the same load five ways:
                   ``/v1/chat/completions/render`` on the workers, which these lack)
 * ``floor``       the smallest proxy on kvroute's stack (uvicorn + one shared stock
                   httpx.AsyncClient, forwarding in turn, nothing else)
-* ``floor_pools`` the same with kvroute's upstream path (``kvroute.upstream.Forward``
+* ``floor_pools`` the same with kvroute's upstream path (``kvroute.service.upstream.Forward``
                   over its per-worker HTTP/1.1 pools): what kv_rr costs above it is
                   kvroute's own logic
 * ``kv_bytes``    kvroute cache_aware without ``--tokenizer``: routes on the prompt's
@@ -160,7 +160,7 @@ def run_floor_proxy(port: int, upstreams: list[str], pools: bool) -> None:
     uvloop/httptools, one shared httpx.AsyncClient): forward the body to the workers in
     turn and relay the answer. No routing, tokenization, metrics or error handling; what
     kvroute costs above this is its own, what this costs is the stack's. ``pools``: the
-    client kvroute uses (kvroute.upstream: a pool per worker, lean headers), else a
+    client kvroute uses (kvroute.service.upstream: a pool per worker, lean headers), else a
     stock httpx.AsyncClient."""
     import itertools
 
@@ -168,7 +168,7 @@ def run_floor_proxy(port: int, upstreams: list[str], pools: bool) -> None:
 
     turn = itertools.cycle(upstreams)
     client: httpx.AsyncClient | None = None
-    forward: Any = None  # pools: kvroute.upstream.Forward, as kvroute forwards
+    forward: Any = None  # pools: kvroute.service.upstream.Forward, as kvroute forwards
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         nonlocal client, forward
@@ -177,7 +177,7 @@ def run_floor_proxy(port: int, upstreams: list[str], pools: bool) -> None:
                 msg = await receive()
                 if msg["type"] == "lifespan.startup":
                     if pools:
-                        from kvroute.upstream import Forward, create_client
+                        from kvroute.service.upstream import Forward, create_client
 
                         client, transport = create_client(connect_s=5, first_byte_s=60, pool_s=30)
                         forward = Forward(client, transport)
@@ -420,8 +420,8 @@ def start_targets(
     """Start the two workers, then every router, in parallel (each waits for /health)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from kvroute.peers import SGLANG, VLLM, start_peer
-    from kvroute.procs import free_port, kvroute_argv, start_server
+    from kvroute.eval.peers import SGLANG, VLLM, start_peer
+    from kvroute.eval.procs import free_port, kvroute_argv, start_server
 
     def worker() -> Any:
         port = free_port()
@@ -508,8 +508,9 @@ CATEGORIES = (
     (
         "rest of the kvroute handler (policy, index, metrics)",
         (
-            *("(kvroute/app.py", "(kvroute/proxy.py", "(kvroute/policies", "(kvroute/workers"),
-            *("(kvroute/metrics", "(prometheus_client/", "PrefixIndex"),
+            *("(kvroute/service/app.py", "(kvroute/service/proxy.py", "(kvroute/service/state"),
+            *("(kvroute/routing/", "(kvroute/fleet/", "(kvroute/service/metrics"),
+            *("(prometheus_client/", "PrefixIndex"),
         ),
     ),
     ("FastAPI/Starlette stack", ("(fastapi/", "(starlette/")),
@@ -646,7 +647,7 @@ def main() -> int:
     n = args.requests or (300 if args.quick else 1000)
     rounds = args.rounds or (1 if args.quick else 2)
 
-    from kvroute.tokenization import default_tokenizer_dir
+    from kvroute.routing.tokenization import default_tokenizer_dir
 
     tokenizer = default_tokenizer_dir()
     if tokenizer is None:

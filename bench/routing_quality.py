@@ -37,7 +37,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvroute.quality import installed_peer_specs, kvroute_spec, run_router, start_sim_workers
+from kvroute.eval.quality import installed_peer_specs, kvroute_spec, run_router, start_sim_workers
 from kvroute.sim.fleet import prepare, upper_bound
 from kvroute.sim.report import ResultRow, markdown_table, to_json
 from kvroute.sim.workloads import gsp, llmd, mooncake, multiturn

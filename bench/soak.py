@@ -30,7 +30,7 @@ import httpx
 import numpy as np
 
 from kvroute import PrefixIndex
-from kvroute.procs import Server, free_port, kvroute_argv, start_server
+from kvroute.eval.procs import Server, free_port, kvroute_argv, start_server
 
 ROOT = Path(__file__).resolve().parents[1]
 

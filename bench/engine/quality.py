@@ -55,9 +55,15 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve
 
-from kvroute.peers import PEERS
-from kvroute.procs import Server, free_port
-from kvroute.quality import RouterSpec, kvroute_spec, router_counters, start_router, wait_precise
+from kvroute.eval.peers import PEERS
+from kvroute.eval.procs import Server, free_port
+from kvroute.eval.quality import (
+    RouterSpec,
+    kvroute_spec,
+    router_counters,
+    start_router,
+    wait_precise,
+)
 from kvroute.sim.report import percentile
 
 ROOT = serve.ROOT

@@ -1,6 +1,6 @@
 """Start local vLLM CPU replicas of the tiny model, publishing KV cache events.
 
-Used by the slow test suite (``tests/test_vllm_engine.py``) and by hand::
+Used by the slow test suite (``tests/e2e/test_vllm_engine.py``) and by hand::
 
     .venv/bin/python bench/engine/serve.py --replicas 2 --events-endpoint tcp://127.0.0.1:5557
 
@@ -26,7 +26,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvroute.procs import Server, free_port, start_server
+from kvroute.eval.procs import Server, free_port, start_server
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = ROOT / ".engine"

@@ -1,7 +1,46 @@
 """kvroute: a cache-aware router for fleets of LLM inference servers.
 
-The prefix index (``PrefixIndex``) is implemented in Rust (``kvroute._native``);
-the HTTP router, policies, simulated workers and benchmarks are Python.
+The prefix indexes (``PrefixIndex``, ``BlockIndex``) are Rust (``kvroute._native``); the
+router, the policies, the simulated workers and the benchmarks are Python. The package is
+grouped by concern, one room per folder; dependencies point one way (commands -> service
+-> fleet / routing / events -> the native index), and no module imports one that imports
+it back (``tests/test_architecture.py`` checks both).
+
+``service/``
+    The HTTP service. ``app`` builds the FastAPI app (lifespan, endpoints, auth);
+    ``fastpath`` hands inference POSTs straight to the handler; ``state`` holds what one
+    app owns (registry, policy, index, tokenizer, client, metrics); ``proxy`` forwards a
+    request, retries failures before the first byte and streams the answer back;
+    ``upstream`` and ``h1pool`` are the per-worker connection pools; ``admission``
+    bounds concurrency; ``metrics`` and ``status`` are what an operator reads.
+``fleet/``
+    The workers as the router sees them: ``registry`` (load reservations, health state,
+    circuit breaker), ``health`` (active checks, engines' load read after them),
+    ``engine_load`` (parsing engines' /metrics, learned capacities).
+``routing/``
+    How a worker is chosen: ``policies/`` (one module per policy; ``cache_aware`` is the
+    default) and ``tokenization`` (a request -> the token IDs the engine will see).
+``events/``
+    Precise mode: engines' KV cache events decoded, tracked per worker and fed to a
+    ``BlockIndex`` that the policy matches on.
+``sim/``
+    GPU-free stand-ins: the simulated worker (``kvroute sim-worker``), the fleet
+    simulation in virtual time (same policy code as the router), workloads.
+``eval/``
+    Measuring routers: the routing-quality harness, load generation, process helpers and
+    the peer routers.
+``commands/``
+    One module per CLI command (``kvroute serve``, ``simulate``, ``demo``, ...), wired by
+    ``kvroute.cli``.
+``config``, ``errors``
+    The foundation every room may use: validated settings, and the errors the router
+    answers with (OpenAI's error shape).
+
+The request path: ``service.fastpath`` -> ``service.app`` (auth, admission) ->
+``service.proxy`` (body read, ``routing.tokenization`` -> token IDs) ->
+``routing.policies`` (match in the native index, choose a worker, reserve its load in
+``fleet.registry``) -> ``service.upstream`` / ``h1pool`` (send, stream back) -> the
+reservation released however the request ends.
 """
 
 from kvroute._native import BlockIndex, PrefixIndex, UnknownParentError

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from kvroute.policies import POLICY_NAMES
+from kvroute.routing.policies import POLICY_NAMES
 
 
 class ConfigError(ValueError):

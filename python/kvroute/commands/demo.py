@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvroute.quality import RouterSpec, installed_peer_specs, run_router, start_sim_workers
+from kvroute.eval.quality import RouterSpec, installed_peer_specs, run_router, start_sim_workers
 from kvroute.sim.fleet import prepare, upper_bound
 from kvroute.sim.report import markdown_table, to_json
 from kvroute.sim.workloads import gsp

@@ -9,12 +9,12 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from kvroute.config import ConfigError, Settings, parse_worker_capacity
-from kvroute.policies import POLICY_NAMES
+from kvroute.routing.policies import POLICY_NAMES
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from kvroute.app import RouterState
+    from kvroute.service.state import RouterState
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -248,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)
     log = logging.getLogger("kvroute")
-    from kvroute.app import create_app
+    from kvroute.service.app import create_app
 
     app = create_app(settings)
     state = app.state.router

@@ -194,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
         policies = [p.strip() for p in args.policies.split(",") if p.strip()]
         if not policies:
             raise ValueError("--policies is empty")
-        from kvroute.policies import POLICY_NAMES
+        from kvroute.routing.policies import POLICY_NAMES
 
         unknown = [p for p in policies if p.removesuffix("+events") not in POLICY_NAMES]
         if unknown:

@@ -1,6 +1,6 @@
 """Discrete-event simulation of a fleet in virtual time: the real policies, simulated workers.
 
-The router side is the production code: ``kvroute.policies.create_policy`` with a real
+The router side is the production code: ``kvroute.routing.policies.create_policy`` with a real
 ``PrefixIndex``, called exactly as the router calls it (``select`` with the in-flight
 load of every worker, then one unit of load reserved on the chosen worker at once;
 released when the request completes). The workers are ``PrefixCache`` + ``CostModel``,
@@ -50,8 +50,8 @@ from typing import Any, cast
 import numpy as np
 
 from kvroute._native import PrefixIndex
-from kvroute.engine_load import CapacityLearner
-from kvroute.policies.base import Policy, RouteRequest
+from kvroute.fleet.engine_load import CapacityLearner
+from kvroute.routing.policies.base import Policy, RouteRequest
 from kvroute.sim.cache import Handle, PrefixCache, block_keys_batch, sequence
 from kvroute.sim.cost import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_TOKENS, CostModel
 from kvroute.sim.report import ResultRow, summarize
@@ -147,7 +147,7 @@ def worker_names(n: int) -> list[str]:
 def _factory(policy: str | PolicyFactory, cfg: FleetConfig) -> tuple[str, PolicyFactory]:
     if not isinstance(policy, str):
         return getattr(policy, "name", "custom"), policy
-    from kvroute.policies import create_policy
+    from kvroute.routing.policies import create_policy
 
     name = policy.removesuffix(EVENTS_SUFFIX)
     settings = dict(cfg.policy_settings)

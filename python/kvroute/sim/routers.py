@@ -36,8 +36,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvroute._native import BlockIndex, PrefixIndex
-from kvroute.engine_load import CapacityLearner
-from kvroute.policies.base import Decision, Policy, RouteRequest
+from kvroute.fleet.engine_load import CapacityLearner
+from kvroute.routing.policies.base import Decision, Policy, RouteRequest
 from kvroute.sim.cache import PrefixCache
 
 PolicyFactory = Callable[[PrefixIndex], Policy]

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from kvroute.tokenization import PromptTokenizer
+from kvroute.routing.tokenization import PromptTokenizer
 
 OFFSET = 0x10000
 MAX_TOKEN = 0x10FFFF - OFFSET

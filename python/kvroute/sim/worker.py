@@ -4,7 +4,7 @@ Generation: ``/generate`` (SGLang: ``text`` or ``input_ids``, ``sampling_params`
 ``/v1/completions`` and ``/v1/chat/completions`` (OpenAI, streaming SSE or not; cached
 prompt tokens in ``usage.prompt_tokens_details.cached_tokens``; usage streamed last when
 ``stream_options.include_usage``). Prompts become token IDs exactly as the router makes
-them (``kvroute.tokenization.PromptTokenizer``): chat template with the generation prompt
+them (``kvroute.routing.tokenization.PromptTokenizer``): chat template with the generation prompt
 when a tokenizer is given, the UTF-8 bytes of the rendered text otherwise (or one token
 per character with ``--text-codec codepoints``, see ``sim.textcodec``); token-ID prompts
 and ``input_ids`` as given.
@@ -32,10 +32,10 @@ from fastapi import FastAPI, Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 
 from kvroute.errors import BadRequestError, RouterError
+from kvroute.routing.tokenization import PromptTokenizer
 from kvroute.sim import protocol as P
 from kvroute.sim.engine import Run, SimConfig, SimEngine
 from kvroute.sim.textcodec import CodepointTokenizer, tokens_to_text
-from kvroute.tokenization import PromptTokenizer
 
 
 def create_app(config: SimConfig) -> FastAPI:

@@ -1,0 +1,30 @@
+"""Helpers shared by policies."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from kvroute.routing.policies.base import NoWorkerError
+
+
+class TieBreaker:
+    """Least-loaded choice whose ties rotate instead of always naming the first worker.
+
+    With an idle fleet every worker ties at load 0; picking the first one would send
+    every new prefix to the same worker (a weakness seen in other routers). A counter
+    walks the tied set instead, so successive new prefixes land on different workers.
+    """
+
+    __slots__ = ("_turn",)
+
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def least_loaded(self, loads: Mapping[str, int], among: Iterable[str] | None = None) -> str:
+        candidates = list(loads) if among is None else [w for w in among if w in loads]
+        if not candidates:
+            raise NoWorkerError("no healthy worker")
+        best = min(loads[w] for w in candidates)
+        tied = [w for w in candidates if loads[w] == best]
+        self._turn += 1
+        return tied[self._turn % len(tied)]

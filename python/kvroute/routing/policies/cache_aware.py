@@ -1,0 +1,171 @@
+"""cache_aware: send a request where its prefix is cached, unless the fleet is imbalanced.
+
+SGLang's rule with its defaults, on token IDs:
+
+1. ``loads`` are in-flight requests per *healthy* worker, as reserved by the router at
+   the moment of each choice (a burst cannot all see the same idle worker).
+2. Imbalanced fleet: ``max - min > balance_abs_threshold`` (64) **and**
+   ``max > balance_rel_threshold * min`` (1.5) -> the least-loaded worker.
+3. Otherwise ``match_rate = longest matched prefix / request tokens``. Above
+   ``cache_threshold`` (0.3) -> among the workers holding that longest match, the least
+   loaded. At or below -> the least-loaded worker of the fleet (a new prefix).
+4. The request's tokens are inserted into the index for the chosen worker: the router
+   predicts that the worker now caches them.
+
+Saturation guard (kvroute's addition): a cache holder that already has as many
+requests in flight as it can run would queue this one behind a full batch, which costs
+more TTFT than the prefill it saves. The request then goes to the least-loaded worker
+below its capacity (reason ``overflow``), and that worker starts to hold the prefix
+too, so a hot prefix grows a second home instead of a hot spot. With every worker at
+capacity the rule above applies unchanged. Capacities: ``worker_capacity`` for every
+worker when set (the engines' max running batch), else ``capacities`` per worker as
+learned from the engines' own running/waiting counts (``kvroute.fleet.engine_load``); a
+worker with no known capacity is never passed over. A worker's load for the guard is
+this router's in-flight requests plus ``others``: what its engine last reported running
+or waiting beyond them (other router replicas' requests, clients that bypass the
+router). Without it, each of N replicas sees about 1/N of an engine's load and the guard
+never fires.
+
+Precise mode (``--kv-events``): workers whose KV event stream is trusted are matched
+on what they really cache (``BlockIndex``, whole blocks), the others on the predicted
+index; the thresholds keep their meaning. An engine reports a prompt's blocks only once
+it admits the request, so a prompt routed to a busy worker is invisible until then and
+the next request with the same prefix would miss it. Until a request ends (the router
+calls ``on_done``), its prompt is also kept in a small index of pending prompts, and a
+trusted worker's match is the longer of what it reports and what is pending on it.
+
+Corrections to SGLang's version: min/max over healthy workers only; ties between
+equally good workers go to the least loaded and then rotate (no "first worker wins",
+which piles every new prefix onto one worker at low load); if the workers holding the
+longest match are all unhealthy, the best healthy match is used instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from kvroute._native import PrefixIndex
+from kvroute.routing.policies._common import TieBreaker
+from kvroute.routing.policies.base import Decision, NoWorkerError, Policy, Reason, RouteRequest
+
+
+class PreciseSource(Protocol):
+    """What precise mode offers (``kvroute.events.PreciseView``)."""
+
+    def match(self, tokens: Sequence[int]) -> tuple[dict[str, int], set[str]]: ...
+
+
+class CacheAware(Policy):
+    name = "cache_aware"
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        *,
+        cache_threshold: float = 0.3,
+        balance_abs_threshold: int = 64,
+        balance_rel_threshold: float = 1.5,
+        worker_capacity: int | None = None,
+    ) -> None:
+        self.index = index
+        self.cache_threshold = cache_threshold
+        self.balance_abs = balance_abs_threshold
+        self.balance_rel = balance_rel_threshold
+        self.worker_capacity = worker_capacity
+        # Learned per-worker capacities (used when worker_capacity is None).
+        self.capacities: Mapping[str, int] = {}
+        # Per worker: requests its engine holds that this router did not send.
+        self.others: Mapping[str, int] = {}
+        self._ties = TieBreaker()
+        self.precise: PreciseSource | None = None
+        # Prompts routed and not yet ended, one pseudo-worker "<worker>\0<n>" each.
+        self._pending = PrefixIndex(None)
+        self._tickets = 0
+
+    def _precise_match(
+        self, tokens: Sequence[int], loads: Mapping[str, int]
+    ) -> tuple[int, list[str]] | None:
+        """Best match over healthy workers mixing event-fed and predicted state, or None
+        when no worker is in precise mode."""
+        if self.precise is None:
+            return None
+        exact, trusted = self.precise.match(tokens)
+        if not trusted:
+            return None
+        approx = self.index.match(tokens)
+        per = {w: (exact.get(w, 0) if w in trusted else approx.get(w, 0)) for w in loads}
+        for ticket, n in self._pending.match(tokens).items():
+            w = ticket.partition("\0")[0]
+            if w in trusted and n > per.get(w, -1) and w in loads:
+                per[w] = n
+        best = max(per.values(), default=0)
+        return best, [w for w, m in per.items() if m == best and m > 0]
+
+    def select(self, request: RouteRequest, loads: Mapping[str, int]) -> Decision:
+        if not loads:
+            raise NoWorkerError("no healthy worker")
+        tokens = request.tokens
+        lo = min(loads.values())
+        hi = max(loads.values())
+        if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
+            return self._record(Decision(self._ties.least_loaded(loads), "imbalance"), tokens)
+        n = len(tokens)
+        precise = self._precise_match(tokens, loads) if n else None
+        if precise is not None:
+            matched, healthy = precise
+        else:
+            matched, holders = self.index.longest_match(tokens) if n else (0, [])
+            healthy = [w for w in holders if w in loads]
+        if matched and not healthy:
+            # The deepest holders are down: fall back to the best healthy match.
+            per_worker = {w: m for w, m in self.index.match(tokens).items() if w in loads}
+            if per_worker:
+                matched = max(per_worker.values())
+                healthy = [w for w, m in per_worker.items() if m == matched]
+            else:
+                matched = 0
+        reason: Reason
+        if n and healthy and matched / n > self.cache_threshold:
+            worker = self._ties.least_loaded(loads, healthy)
+            reason = "cache_hit"
+            if self._full(worker, loads):
+                free = [w for w in loads if not self._full(w, loads)]
+                if free:
+                    worker = self._ties.least_loaded(loads, free)
+                    reason = "overflow"
+                    matched = 0
+        else:
+            worker = self._ties.least_loaded(loads)
+            reason = "cache_miss"
+            matched = 0 if worker not in healthy else matched
+        return self._record(Decision(worker, reason, matched, precise=precise is not None), tokens)
+
+    def _record(self, decision: Decision, tokens: Sequence[int]) -> Decision:
+        """The chosen worker now holds ``tokens`` (predicted; pending in precise mode)."""
+        if len(tokens):
+            self.index.insert(decision.worker, tokens)
+            if self.precise is not None:
+                self._tickets += 1
+                decision.ticket = f"{decision.worker}\0{self._tickets}"
+                self._pending.insert(decision.ticket, tokens)
+        return decision
+
+    def on_done(self, decision: Decision) -> None:
+        if decision.ticket is not None:
+            self._pending.remove_worker(decision.ticket)
+
+    def _full(self, worker: str, loads: Mapping[str, int]) -> bool:
+        cap = self.worker_capacity
+        if cap is None:
+            cap = self.capacities.get(worker)
+        return cap is not None and loads[worker] + self.others.get(worker, 0) >= cap
+
+    def on_worker_added(self, worker: str) -> None:
+        self.index.add_worker(worker)
+
+    def on_worker_removed(self, worker: str) -> None:
+        self.index.remove_worker(worker)
+
+    def clear(self) -> None:
+        self.index.clear()

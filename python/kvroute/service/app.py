@@ -1,0 +1,318 @@
+"""The router's HTTP service (FastAPI): endpoints, lifespan, auth and admission.
+
+One shared ``httpx.AsyncClient``, tokenizer and health-check task per app, created in
+the lifespan. Request bodies are read as bytes and forwarded unchanged; handlers parse
+JSON with orjson only to find the prompt, never through per-request pydantic models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+from urllib.parse import unquote
+
+import httpx
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import HTMLResponse, JSONResponse, Response
+
+from kvroute import __version__
+from kvroute.config import ConfigError, Settings, normalize_worker_url
+from kvroute.errors import (
+    BadRequestError,
+    ForbiddenError,
+    NotFoundError,
+    OverloadedError,
+    RouterError,
+    UnauthorizedError,
+    error_response,
+)
+from kvroute.fleet.health import health_loop
+from kvroute.routing.tokenization import PromptTokenizer
+from kvroute.service.fastpath import INFERENCE_PATHS, RouterApp
+from kvroute.service.proxy import Forwarder, ProxyStream, parse_object, read_body
+from kvroute.service.state import build_state
+from kvroute.service.status import counter_totals
+from kvroute.service.status import render as render_status
+from kvroute.service.upstream import Forward, create_client
+
+log = logging.getLogger("kvroute.service.app")
+
+OPENAI_BODY = {
+    "requestBody": {
+        "content": {"application/json": {"schema": {"type": "object"}}},
+        "required": True,
+    }
+}
+
+
+def _bearer(request: Request) -> str:
+    auth = request.headers.get("authorization", "")
+    return auth[7:] if auth[:7].lower() == "bearer " else ""
+
+
+def _key_ok(given: str, expected: str) -> bool:
+    return hmac.compare_digest(given.encode(), expected.encode())
+
+
+def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> FastAPI:
+    state = build_state(settings, tokenizer)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        s = state.settings
+        state.client, state.pools = create_client(
+            connect_s=s.connect_timeout_secs,
+            first_byte_s=s.first_byte_timeout_secs,
+            pool_s=s.queue_timeout_secs,
+        )
+        state.forward = Forward(state.client, state.pools)
+        task = asyncio.create_task(health_loop(state))
+        if state.subscriber is not None:
+            await asyncio.to_thread(state.subscriber.start)
+        try:
+            yield
+        finally:
+            if state.subscriber is not None:
+                await asyncio.to_thread(state.subscriber.stop)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await state.client.aclose()
+
+    app = RouterApp(
+        title="kvroute", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
+    )
+    app.state.router = state
+    forwarder = Forwarder(state)
+
+    # ------------------------------------------------------------- errors
+
+    @app.exception_handler(RouterError)
+    async def router_error(_: Request, exc: RouterError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(
+            exc.status_code, str(exc.detail), type_, code, dict(exc.headers or {})
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> Response:
+        return error_response(400, "invalid request", "invalid_request_error", "invalid_request")
+
+    # ------------------------------------------------------------- auth
+
+    def check_api_key(request: Request) -> None:
+        key = state.settings.api_key
+        if key and not _key_ok(_bearer(request), key):
+            raise UnauthorizedError("missing or invalid API key (Authorization: Bearer ...)")
+
+    def check_admin(request: Request) -> None:
+        key = state.settings.admin_api_key
+        if key:
+            if not _key_ok(_bearer(request), key):
+                raise UnauthorizedError("admin endpoints need the admin API key")
+        elif not state.settings.loopback_only:
+            raise ForbiddenError(
+                "admin endpoints are disabled: set --admin-api-key to use them "
+                "when the router listens beyond loopback",
+                code="admin_disabled",
+            )
+
+    # ------------------------------------------------------------- inference
+
+    def shutting_down(kind: str) -> Response:
+        state.metrics.requests.labels(kind, "503").inc()
+        return error_response(
+            503,
+            "the router is shutting down and the request outlived its grace period",
+            "service_unavailable",
+            "shutting_down",
+        )
+
+    async def inference(request: Request, kind: str, path: str) -> Response:
+        check_api_key(request)
+        # Past the shutdown grace period uvicorn cancels the request's task; answered here
+        # it becomes a clear 503 instead of uvicorn's bare 500 and a logged traceback.
+        try:
+            await state.admission.acquire()
+        except OverloadedError:
+            state.metrics.requests.labels(kind, "429").inc()
+            raise
+        except asyncio.CancelledError:
+            if state.draining:
+                return shutting_down(kind)
+            raise
+        try:
+            response = await forwarder.forward(request, kind, path)
+        except RouterError as e:
+            await state.admission.release()
+            state.metrics.requests.labels(kind, str(e.status)).inc()
+            raise
+        except asyncio.CancelledError:
+            await state.admission.release()
+            if state.draining:
+                return shutting_down(kind)
+            raise
+        except BaseException:
+            await state.admission.release()
+            raise
+        if isinstance(response, ProxyStream):
+            inner = response._cleanup
+
+            async def cleanup() -> None:
+                try:
+                    await inner()
+                finally:
+                    await state.admission.release()
+
+            response._cleanup = cleanup
+        else:
+            await state.admission.release()
+        return response
+
+    app.inference = inference
+
+    # RouterApp serves these paths directly; registered here too so that the OpenAPI
+    # schema lists them (and a mounted app, whose paths differ, still routes them).
+    def endpoint(kind: str, worker_path: str) -> Callable[[Request], Awaitable[Response]]:
+        async def handle(request: Request) -> Response:
+            return await inference(request, kind, worker_path)
+
+        handle.__name__ = kind
+        return handle
+
+    for route_path, route in INFERENCE_PATHS.items():
+        app.add_api_route(route_path, endpoint(*route), methods=["POST"], openapi_extra=OPENAI_BODY)
+
+    # ------------------------------------------------------------- fleet
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        check_api_key(request)
+
+        async def fetch(url: str) -> list[Any]:
+            try:
+                r = await state.client.get(url + "/v1/models", timeout=5.0)
+                data = r.json().get("data", [])
+                return data if isinstance(data, list) else []
+            except (httpx.HTTPError, ValueError, AttributeError):
+                return []
+
+        seen: dict[str, Any] = {}
+        for data in await asyncio.gather(*(fetch(u) for u in state.registry.loads())):
+            for m in data:
+                if isinstance(m, dict) and isinstance(m.get("id"), str):
+                    seen.setdefault(m["id"], m)
+        return JSONResponse({"object": "list", "data": list(seen.values())})
+
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/readiness")
+    async def readiness() -> Response:
+        n = state.registry.healthy_count()
+        if n == 0:
+            return error_response(
+                503, "no healthy worker", "service_unavailable", "no_healthy_worker"
+            )
+        return JSONResponse({"status": "ready", "healthy_workers": n})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/status")
+    async def status(request: Request) -> Response:
+        check_api_key(request)
+        m = state.metrics
+        page = render_status(
+            policy=state.policy.name,
+            started=state.started,
+            snapshot=state.snapshot(),
+            decisions=counter_totals(m.decisions, "reason"),
+            predicted=sum(counter_totals(m.predicted_cached, "source").values()),
+            reported=sum(counter_totals(m.reported_cached, "source").values()),
+        )
+        return HTMLResponse(page)
+
+    @app.get("/workers")
+    async def list_workers(request: Request) -> Response:
+        check_api_key(request)
+        return Response(orjson.dumps(state.workers_json()), media_type="application/json")
+
+    @app.post("/workers", openapi_extra=OPENAI_BODY)
+    async def add_worker(request: Request) -> Response:
+        check_admin(request)
+        obj = parse_object(await read_body(request, 64 * 1024))
+        try:
+            url = normalize_worker_url(obj.get("url"))  # type: ignore[arg-type]
+        except ConfigError as e:
+            raise BadRequestError(str(e)) from None
+        kv_events = obj.get("kv_events")
+        if kv_events is not None:
+            await add_event_source(url, kv_events)
+        existed = url in state.registry.workers
+        state.registry.add(url)
+        return JSONResponse({"url": url, "added": not existed}, status_code=200 if existed else 201)
+
+    async def add_event_source(url: str, kv_events: Any) -> None:
+        """``{"url": ..., "kv_events": "tcp://host:port[;topic=T][;replay=...][;bind]"}``."""
+        if state.subscriber is None:
+            raise BadRequestError(
+                "precise mode is off: start kvroute serve with --kv-events "
+                "to add workers with KV events"
+            )
+        if not isinstance(kv_events, str):
+            raise BadRequestError("'kv_events' must be a string like 'tcp://host:port;bind'")
+        from kvroute.events import KvEventsSpecError, parse_kv_events_spec
+
+        try:
+            source = parse_kv_events_spec(f"{url}={kv_events}")
+        except KvEventsSpecError as e:
+            raise BadRequestError(str(e)) from None
+        try:
+            await asyncio.to_thread(state.subscriber.add_source, source)
+        except Exception as e:  # a socket that cannot bind/connect is the caller's setting
+            raise BadRequestError(f"cannot subscribe to {kv_events!r}: {e}") from None
+
+    @app.delete("/workers/{url:path}")
+    async def remove_worker(request: Request, url: str) -> Response:
+        check_admin(request)
+        target = unquote(url).rstrip("/")
+        if state.registry.remove(target) is None:
+            raise NotFoundError(f"no worker {target!r}")
+        if state.subscriber is not None and target in state.subscriber.sources:
+            await asyncio.to_thread(state.subscriber.remove_source, target)
+        if state.pools is not None:
+            await state.pools.drop(target)
+        return JSONResponse({"url": target, "removed": True})
+
+    @app.post("/flush_cache")
+    async def flush_cache(request: Request) -> Response:
+        check_admin(request)
+        results: dict[str, int | str] = {}
+        for url in list(state.registry.workers):
+            try:
+                r = await state.client.post(url + "/flush_cache", timeout=10.0)
+                if r.status_code == 404:
+                    r = await state.client.post(url + "/reset_prefix_cache", timeout=10.0)
+                results[url] = r.status_code
+            except httpx.HTTPError as e:
+                results[url] = type(e).__name__
+        state.policy.clear()
+        state.index.clear()
+        return JSONResponse({"index_cleared": True, "workers": results})
+
+    return app

@@ -1,0 +1,189 @@
+"""The router's state: one object holding the fleet, the policy, the index, the tokenizer,
+the shared upstream client and the metrics, built once per app (``build_state``).
+
+The request handler (``kvroute.service.app``) and the forwarder (``kvroute.service.proxy``)
+both read it; neither imports the other through it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from kvroute._native import PrefixIndex
+from kvroute.config import ConfigError, Settings
+from kvroute.fleet.engine_load import CapacityLearner
+from kvroute.fleet.registry import Registry
+from kvroute.routing.policies import Policy, create_policy
+from kvroute.routing.tokenization import PromptTokenizer
+from kvroute.service.admission import Admission
+from kvroute.service.metrics import RouterMetrics
+from kvroute.service.upstream import Forward, PerWorkerPools
+
+
+@dataclass
+class RouterState:
+    settings: Settings
+    index: PrefixIndex
+    policy: Policy
+    registry: Registry
+    tokenizer: PromptTokenizer
+    metrics: RouterMetrics
+    admission: Admission
+    client: httpx.AsyncClient = field(init=False)
+    pools: PerWorkerPools | None = None  # the client's per-worker transport
+    forward: Forward = field(init=False)  # inference requests: straight to ``pools``
+    started: float = field(default_factory=time.time)
+    events: Any = None  # kvroute.events.EventTracker in precise mode
+    capacity: CapacityLearner | None = None  # learned worker capacities (guard on auto)
+    # Saturation guard on: engines' /metrics read after each health check, and per worker
+    # the requests its engine holds that this router did not send (``others_load``).
+    polls_engine: bool = False
+    others: dict[str, int] = field(default_factory=dict)
+    subscriber: Any = None
+    # Set by ``kvroute serve`` on SIGTERM: the server stops accepting and, once the grace
+    # period runs out, cancels what is still in flight.
+    draining: bool = False
+
+    async def use_transport(self, transport: httpx.AsyncBaseTransport) -> None:
+        """Send all upstream traffic through ``transport`` (tests: a mock worker); the
+        client it replaces is closed."""
+        await self.client.aclose()
+        self.client = httpx.AsyncClient(transport=transport)
+        self.forward = Forward(self.client, transport)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "workers": self.workers_json(),
+            "index": self.index.stats(),
+            "tokenizer": self.tokenizer.cache_stats(),
+            "asyncio_tasks": _task_count(),
+        }
+
+    def workers_json(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        return [
+            {
+                "url": w.url,
+                "healthy": w.available(now),
+                "in_flight": w.in_flight,
+                "cached_tokens": self.index.cached_tokens(w.url),
+                "requests_served": w.served,
+                "failures": w.failed,
+                "down_reason": w.down_reason or None,
+                "circuit_open": now < w.circuit_open_until,
+                "mode": self.events.mode(w.url) if self.events is not None else "approximate",
+                "capacity": self.worker_capacity(w.url),
+                "external_load": self.others.get(w.url) if self.polls_engine else None,
+            }
+            for w in self.registry.workers.values()
+        ]
+
+    def worker_capacity(self, url: str) -> int | None:
+        """The saturation guard's capacity for ``url``: fixed, learned, or None."""
+        if self.settings.worker_capacity is not None:
+            return self.settings.worker_capacity
+        return self.capacity.capacities.get(url) if self.capacity is not None else None
+
+
+def _task_count() -> int:
+    """Tasks alive on the running loop (a leak shows as growth at steady load); 0 off-loop."""
+    try:
+        return len(asyncio.all_tasks())
+    except RuntimeError:
+        return 0
+
+
+def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) -> RouterState:
+    index = PrefixIndex(settings.max_tree_size)
+    policy = create_policy(
+        settings.policy,
+        index,
+        cache_threshold=settings.cache_threshold,
+        balance_abs_threshold=settings.balance_abs_threshold,
+        balance_rel_threshold=settings.balance_rel_threshold,
+        prefix_hash_tokens=settings.prefix_hash_tokens,
+        bounded_load_factor=settings.bounded_load_factor,
+        worker_capacity=settings.worker_capacity,
+    )
+    registry = Registry(settings, on_down=policy.on_worker_removed, on_added=policy.on_worker_added)
+    state = RouterState(
+        settings=settings,
+        index=index,
+        policy=policy,
+        registry=registry,
+        tokenizer=tokenizer or PromptTokenizer(settings.tokenizer, settings.tokenizer_cache_size),
+        metrics=None,  # type: ignore[arg-type]  # set below: it needs the state
+        admission=Admission(
+            settings.max_concurrent_requests,
+            settings.max_queued_requests,
+            settings.queue_timeout_secs,
+        ),
+    )
+    state.metrics = RouterMetrics(state.snapshot)
+    state.admission.on_reject = lambda reason: state.metrics.rejected.labels(reason).inc()
+    learns = settings.learn_capacity and settings.worker_capacity is None
+    if learns and hasattr(policy, "capacities"):
+        setup_capacity_learning(state)
+    if hasattr(policy, "others") and (learns or settings.worker_capacity is not None):
+        state.polls_engine = True
+        policy.others = state.others
+
+        def forget(url: str) -> None:
+            state.others.pop(url, None)
+
+        _chain_on_down(state, forget)
+    if settings.kv_events:
+        setup_precise(state)
+    for url in settings.worker_urls:
+        registry.add(url)
+    return state
+
+
+def _chain_on_down(state: RouterState, hook: Callable[[str], None]) -> None:
+    """Also call ``hook`` when a worker goes down or is removed."""
+    previous = state.registry._on_down
+
+    def on_down(url: str) -> None:
+        if previous is not None:
+            previous(url)
+        hook(url)
+
+    state.registry._on_down = on_down
+
+
+def setup_capacity_learning(state: RouterState) -> None:
+    """Saturation guard on ``auto``: capacities learned from the engines' /metrics."""
+    learner = CapacityLearner()
+    state.capacity = learner
+    state.policy.capacities = learner.capacities  # type: ignore[attr-defined]
+    _chain_on_down(state, learner.forget)
+
+
+def setup_precise(state: RouterState) -> None:
+    """Precise mode: feed a BlockIndex from the engines' KV events (started in lifespan)."""
+    from kvroute._native import BlockIndex
+    from kvroute.events import (
+        EventTracker,
+        KvEventSubscriber,
+        PreciseView,
+        parse_kv_events,
+        register_kv_event_metrics,
+    )
+
+    sources = parse_kv_events(state.settings.kv_events)
+    unknown = [s.worker for s in sources if s.worker not in state.settings.worker_urls]
+    if unknown:
+        raise ConfigError(f"--kv-events names workers not in --worker-urls: {unknown}")
+    tracker = EventTracker(BlockIndex())
+    state.events = tracker
+    state.subscriber = KvEventSubscriber(sources, tracker)
+    register_kv_event_metrics(state.metrics.registry, tracker, state.subscriber)
+    if hasattr(state.policy, "precise"):
+        state.policy.precise = PreciseView(tracker)
+    _chain_on_down(state, tracker.reset)

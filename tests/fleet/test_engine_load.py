@@ -1,0 +1,174 @@
+"""Learned worker capacities: parsing engine metrics, the learner, the guard in the
+policy and the simulator, and the router learning from a real sim worker."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvroute._native import PrefixIndex
+from kvroute.config import ConfigError, parse_worker_capacity
+from kvroute.eval.procs import Server, free_port, kvroute_argv, start_server
+from kvroute.fleet.engine_load import CapacityLearner, parse_engine_load
+from kvroute.routing.policies import RouteRequest, create_policy
+from kvroute.sim.cost import CostModel
+from kvroute.sim.fleet import FleetConfig, compare
+from kvroute.sim.workloads import gsp
+from support import start_router
+
+VLLM = b"""# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+vllm:num_requests_waiting{engine="0",model_name="m"} 4.0
+vllm:num_requests_waiting_by_reason{reason="capacity"} 9.0
+vllm:kv_cache_usage_perc{engine="0"} 0.5
+"""
+SGLANG = b'sglang:num_running_reqs{model_name="m"} 8\nsglang:num_queue_reqs{model_name="m"} 0\n'
+
+
+def test_parse_engine_load() -> None:
+    assert parse_engine_load(VLLM) == (5, 4)
+    assert parse_engine_load(SGLANG) == (8, 0)
+    assert parse_engine_load(b"# nothing here\nother_metric 3\n") is None
+    assert parse_engine_load(b"vllm:num_requests_running NaN\n") is None
+    assert parse_engine_load(b"\xff\xfe garbage") is None
+
+
+def test_learner_needs_queueing_and_keeps_the_largest() -> None:
+    learner = CapacityLearner()
+    learner.observe("a", 7, 0)  # not queueing: says nothing about capacity
+    assert learner.capacities == {}
+    learner.observe("a", 4, 2)
+    learner.observe("a", 3, 5)  # a momentary lower limit does not shrink it
+    learner.observe("a", 6, 1)
+    assert learner.capacities == {"a": 6}
+    learner.forget("a")
+    assert learner.capacities == {}
+
+
+def test_parse_worker_capacity() -> None:
+    assert parse_worker_capacity("auto") == (None, True)
+    assert parse_worker_capacity("OFF") == (None, False)
+    assert parse_worker_capacity("32") == (32, False)
+    for bad in ("0", "-1", "many"):
+        with pytest.raises(ConfigError):
+            parse_worker_capacity(bad)
+
+
+def test_guard_uses_learned_capacities_per_worker() -> None:
+    policy = create_policy("cache_aware", PrefixIndex())
+    for w in ("a", "b", "c"):
+        policy.on_worker_added(w)
+    prompt = RouteRequest(tokens=list(range(100)))
+    loads = {"a": 0, "b": 0, "c": 0}
+    holder = policy.select(prompt, loads).worker
+    loads[holder] = 3
+    # Unknown capacity: the holder is never passed over (SGLang's rule).
+    assert policy.select(prompt, loads).worker == holder
+    policy.capacities = {holder: 3}  # type: ignore[attr-defined]
+    d = policy.select(prompt, loads)
+    assert d.worker != holder and d.reason == "overflow"
+    loads = dict.fromkeys(loads, 3)  # everyone full: the rule applies unchanged
+    policy.capacities = dict.fromkeys(loads, 3)  # type: ignore[attr-defined]
+    assert policy.select(prompt, loads).reason == "cache_hit"
+
+
+def test_simulated_hot_spots_go_away_when_capacity_is_learned() -> None:
+    # Two popular prefixes, each arriving faster than one worker's batch of 8 can take,
+    # on a fleet with room to spare (4 x 8 slots).
+    reqs = gsp(2, 96, 1024, 64, 64, seed=3, arrivals="poisson", rate=16.0)
+    rows = {}
+    for learn in (False, True):
+        cfg = FleetConfig(workers=4, cost=CostModel(max_batch=8), learn_capacity=learn)
+        (row, rr), _ = compare(reqs, ["cache_aware", "round_robin"], cfg)
+        rows[learn] = row
+    off, auto = rows[False], rows[True]
+    assert auto.ttft_p99 < 0.5 * off.ttft_p99
+    assert auto.hit_rate >= rr.hit_rate
+    assert auto.max_load / auto.mean_load < off.max_load / off.mean_load
+
+
+def _sim_worker(tmp_path: Path) -> Server:
+    port = free_port()
+    argv = kvroute_argv(
+        "sim-worker", "--port", str(port), "--max-batch", "2", "--decode-ms-per-token", "100"
+    )
+    return start_server(f"sim-{port}", argv, port, log_dir=str(tmp_path))
+
+
+def test_router_learns_capacity_and_overflows(tmp_path: Path, processes: list[Server]) -> None:
+    workers = [_sim_worker(tmp_path) for _ in range(2)]
+    processes.extend(workers)
+    router = start_router([w.url for w in workers], tmp_path)
+    processes.append(router)
+    body = {"model": "sim", "prompt": list(range(1, 257)), "max_tokens": 30}
+
+    async def run() -> tuple[list[str], dict[str, object]]:
+        async with httpx.AsyncClient(base_url=router.url, timeout=30) as c:
+            holders = asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(4)))
+            # The holder runs 2 and queues 2: the next health round reads that.
+            learned: dict[str, object] = {}
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not learned:
+                await asyncio.sleep(0.1)
+                workers_json = (await c.get("/workers")).json()
+                learned = {w["url"]: w["capacity"] for w in workers_json if w["capacity"]}
+            late = await c.post("/v1/completions", json=body)
+            first = await holders
+        return [r.headers["x-kvroute-worker"] for r in first] + [
+            late.headers["x-kvroute-worker"]
+        ], learned
+
+    chosen, learned = asyncio.run(run())
+    holder = chosen[0]
+    assert chosen[:4] == [holder] * 4, "a shared prefix sticks to its holder"
+    assert learned == {holder: 2}, "capacity learned from the engine's running/waiting"
+    assert chosen[4] != holder, "the full holder is passed over"
+    metrics = httpx.get(router.url + "/metrics").text
+    assert f'kvroute_worker_capacity{{worker="{holder}"}} 2.0' in metrics
+    assert 'reason="overflow"' in metrics
+    workers_json = httpx.get(router.url + "/workers").json()
+    assert all(w["in_flight"] == 0 for w in workers_json)
+
+
+def test_router_counts_load_that_bypassed_it(tmp_path: Path, processes: list[Server]) -> None:
+    """Requests sent to a worker past the router (another router replica, a client
+    pinned to the worker) show in its engine's running/waiting counts: the guard adds
+    them to the router's own load and passes over the full holder."""
+    workers = [_sim_worker(tmp_path) for _ in range(2)]
+    processes.extend(workers)
+    router = start_router([w.url for w in workers], tmp_path, "--worker-capacity", "2")
+    processes.append(router)
+    body = {"model": "sim", "prompt": list(range(1, 257)), "max_tokens": 30}
+    quick = {**body, "max_tokens": 1}
+
+    async def run() -> tuple[str, dict[str, object], str]:
+        async with httpx.AsyncClient(timeout=30) as c:
+            first = await c.post(router.url + "/v1/completions", json=quick)
+            holder = first.headers["x-kvroute-worker"]
+            # Two long requests straight to the holder, unseen by the router.
+            direct = asyncio.gather(
+                *(c.post(holder + "/v1/completions", json=body) for _ in range(2))
+            )
+            external: dict[str, object] = {}
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not external.get(holder):
+                await asyncio.sleep(0.1)
+                rows = (await c.get(router.url + "/workers")).json()
+                external = {w["url"]: w["external_load"] for w in rows}
+            late = await c.post(router.url + "/v1/completions", json=quick)
+            await direct
+        return holder, external, late.headers["x-kvroute-worker"]
+
+    holder, external, late = asyncio.run(run())
+    assert external[holder] == 2, "the engine's load beyond the router's own requests"
+    assert late != holder, "the holder, full with requests the router did not send, is passed over"
+    metrics = httpx.get(router.url + "/metrics").text
+    assert 'reason="overflow"' in metrics
+    assert f'kvroute_worker_external_load{{worker="{holder}"}}' in metrics

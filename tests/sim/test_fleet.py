@@ -1,0 +1,246 @@
+"""Fleet simulator (kvroute.sim.fleet), report formatting, and the simulate/analyze CLIs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import orjson
+import pytest
+
+from kvroute._native import PrefixIndex
+from kvroute.cli import main
+from kvroute.routing.policies.base import Decision, Policy, RouteRequest
+from kvroute.sim import workloads as wl
+from kvroute.sim.cost import CostModel
+from kvroute.sim.fleet import FleetConfig, compare, prepare, simulate, upper_bound
+from kvroute.sim.report import markdown_table, to_json
+
+
+class FirstWorker(Policy):
+    """Everything to one worker: a local policy that does not depend on the factory."""
+
+    name = "first"
+
+    def select(self, request: RouteRequest, loads: Mapping[str, int]) -> Decision:
+        return Decision(next(iter(loads)), "least_load")
+
+
+def small_gsp(**kw: object) -> list[wl.Request]:
+    args: dict[str, object] = dict(
+        groups=8, prompts_per_group=8, system_len=512, question_len=32, output_len=16, seed=1
+    )
+    args.update(kw)
+    return wl.gsp(**args)  # type: ignore[arg-type]
+
+
+def test_cache_aware_beats_round_robin_on_gsp() -> None:
+    cfg = FleetConfig(workers=4, capacity_tokens=100_000)
+    reqs = small_gsp()
+    rows, bound = compare(reqs, ["cache_aware", "round_robin"], cfg)
+    ca, rr = rows
+    assert ca.hit_rate > rr.hit_rate
+    assert ca.hit_rate <= bound + 1e-9
+    for row in rows:
+        assert row.requests == len(reqs)  # every request completed
+        assert row.extra["final_inflight"] == 0 and row.extra["final_running"] == 0
+        assert row.extra["pinned_blocks"] == 0
+        assert row.mean_load == len(reqs) / 4
+        assert 0 < row.ttft_p50 <= row.ttft_p99 <= row.e2e_p99
+        assert row.throughput > 0 and row.decision_us is not None
+
+
+def test_upper_bound_value() -> None:
+    reqs = small_gsp(groups=2, prompts_per_group=4)
+    prep = prepare(reqs, 16)
+    # Each group: the first prompt misses; later ones hit the 512-token system prompt.
+    assert upper_bound(prep) == pytest.approx(2 * 3 * 512 / (8 * 544))
+
+
+def test_local_policy_and_queueing() -> None:
+    cost = CostModel(
+        max_batch=2,
+        prefill_tokens_per_s=10_000,
+        overhead_s=0.0,
+        decode_s_per_token=0.01,
+        decode_batch_slowdown=0.0,
+    )
+    cfg = FleetConfig(workers=3, capacity_tokens=50_000, cost=cost)
+    reqs = small_gsp(groups=1, prompts_per_group=4, system_len=1000, question_len=0, output_len=11)
+    row = simulate(prepare(reqs, 16), lambda index: FirstWorker(), cfg)
+    assert row.max_load == 4 and row.requests == 4
+    # Identical prompts: first prefill 1000 tokens = 0.1 s; later ones hit 992 tokens.
+    # Slots: 2 run at once, each decode takes 10 * 0.01 = 0.1 s after the first token.
+    assert row.ttft_p50 > 0.1
+    assert row.extra["final_inflight"] == 0
+    assert row.hit_rate == pytest.approx(3 * 992 / 4000)
+
+
+def test_capacity_pressure_lowers_hits() -> None:
+    reqs = small_gsp()
+    prep = prepare(reqs, 16)
+    big = simulate(prep, "cache_aware", FleetConfig(workers=2, capacity_tokens=1_000_000))
+    tiny = simulate(prep, "cache_aware", FleetConfig(workers=2, capacity_tokens=1_024))
+    assert tiny.hit_rate < big.hit_rate
+
+
+def test_report_formats() -> None:
+    rows, bound = compare(
+        small_gsp(groups=2, prompts_per_group=2), ["round_robin"], FleetConfig(workers=2)
+    )
+    table = markdown_table(rows, bound)
+    assert "| router/policy | hit rate | TTFT p50/p90/p99 (s)" in table
+    assert "round_robin" in table and "upper bound" in table
+    doc = orjson.loads(to_json(rows, bound, workload="gsp"))
+    assert doc["workload"] == "gsp" and doc["rows"][0]["name"] == "round_robin"
+    assert doc["upper_bound"] == pytest.approx(bound)
+
+
+def test_simulate_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(
+        [
+            "simulate",
+            "--workload",
+            "gsp",
+            "--workers",
+            "4",
+            "--groups",
+            "4",
+            "--prompts-per-group",
+            "4",
+            "--system-len",
+            "256",
+            "--question-len",
+            "16",
+            "--output-len",
+            "8",
+            "--policies",
+            "cache_aware,round_robin",
+            "--json",
+        ]
+    )
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in doc["rows"]] == ["cache_aware", "round_robin"]
+    assert main(["simulate", "--policies", "nope"]) == 2
+
+
+def test_analyze_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    lines = [
+        {
+            "timestamp": i * 100,
+            "input_length": 1500,
+            "output_length": 4,
+            "hash_ids": [i % 3, 100 + i % 3, 200 + i],
+        }
+        for i in range(30)
+    ]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines))
+    assert main(["analyze", str(path), "--workers", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "upper bound" in out and "verdict:" in out and "cache_aware" in out
+
+
+def test_index_is_shared_with_policy() -> None:
+    seen: list[PrefixIndex] = []
+
+    def factory(index: PrefixIndex) -> Policy:
+        seen.append(index)
+        return FirstWorker()
+
+    simulate(
+        prepare(small_gsp(groups=1, prompts_per_group=2), 16),
+        factory,
+        FleetConfig(workers=2, max_tree_size=5000),
+    )
+    assert len(seen) == 1 and seen[0].max_tokens_per_worker == 5000
+
+
+@pytest.mark.parametrize(
+    ("policy", "output_len", "capacity"),
+    [("cache_aware", 2, 2048), ("round_robin", 2, 2048), ("cache_aware", 300, 1024)],
+)
+def test_simulator_agrees_with_http_workers(
+    policy: str, output_len: int, capacity: int, tmp_path: Path
+) -> None:
+    """Same requests, same policy: the simulator and real sim-worker processes (driven
+    one request at a time) make the same decisions and see the same cached tokens; with
+    300 output tokens, the blocks outputs fill evict prompts on both sides alike."""
+    import httpx
+
+    from kvroute.eval.procs import free_port, kvroute_argv, running, start_server
+    from kvroute.routing.policies import create_policy
+    from kvroute.sim.fleet import worker_names
+
+    reqs = small_gsp(
+        groups=3, prompts_per_group=4, system_len=256, question_len=16, output_len=output_len
+    )
+    for i, r in enumerate(reqs):
+        r.arrival_s = 1000.0 * i  # one at a time: no queueing on either side
+    cfg = FleetConfig(workers=2, capacity_tokens=capacity, block_size=16)
+    prep = prepare(reqs, 16)
+    row = simulate(prep, policy, cfg, record=True)
+    if output_len > 2:  # the outputs' blocks cost hits here (prompts alone fit)
+        cfg.output_blocks = False
+        assert simulate(prep, policy, cfg).hit_rate > row.hit_rate
+
+    servers = []
+    for _ in range(2):
+        port = free_port()
+        argv = kvroute_argv(
+            "sim-worker",
+            "--port",
+            str(port),
+            "--capacity-tokens",
+            str(capacity),
+            "--block-size",
+            "16",
+            "--time-scale",
+            "1000",
+        )
+        servers.append(start_server(f"sim-{port}", argv, port, log_dir=str(tmp_path)))
+    with running(servers), httpx.Client(timeout=30, trust_env=False) as client:
+        names = worker_names(2)
+        url = {n: s.url for n, s in zip(names, servers, strict=True)}
+        pol = create_policy(policy, PrefixIndex(), seed=0)
+        for n in names:
+            pol.on_worker_added(n)
+        loads = dict.fromkeys(names, 0)
+        assigned, cached = [], []
+        for r in reqs:
+            d = pol.select(RouteRequest(tokens=r.tokens.tolist()), loads)
+            loads[d.worker] += 1
+            out = client.post(
+                url[d.worker] + "/v1/completions",
+                json={"prompt": r.tokens.tolist(), "max_tokens": r.output_len},
+            )
+            loads[d.worker] -= 1
+            assigned.append(names.index(d.worker))
+            cached.append(out.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert assigned == row.extra["assigned"]
+    assert cached == row.extra["cached"]
+    assert sum(cached) > 0
+
+
+def test_precise_mode_routes_on_what_caches_hold(capsys: pytest.CaptureFixture[str]) -> None:
+    """The router's index remembers one prompt per worker, the engines hold everything:
+    approximate routing forgets groups the engines still cache, precise mode (the caches'
+    events) does not, so it reaches the upper bound."""
+    reqs = small_gsp(groups=4, prompts_per_group=4)
+    for i, r in enumerate(reqs):
+        r.arrival_s = 100.0 * i  # one at a time: only the cache state differs
+    prep = prepare(reqs, 16)
+    cfg = FleetConfig(workers=2, capacity_tokens=1_000_000, max_tree_size=600)
+    approx = simulate(prep, "cache_aware", cfg)
+    precise = simulate(prep, "cache_aware+events", cfg)
+    assert precise.name == "cache_aware+events"
+    assert precise.hit_rate == pytest.approx(upper_bound(prep))
+    assert approx.hit_rate < precise.hit_rate
+
+    assert main(["simulate", "--workload", "gsp", "--groups", "4", "--prompts-per-group",
+                 "4", "--workers", "2", "--policies", "cache_aware+events"]) == 0  # fmt: skip
+    assert "| cache_aware+events |" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="precise mode"):
+        simulate(prep, "round_robin+events", cfg)

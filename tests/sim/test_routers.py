@@ -1,0 +1,235 @@
+"""What approximate routing cannot see, in the fleet simulator (kvroute.sim.routers):
+router replicas, traffic that bypasses the router, engine restarts."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+import numpy as np
+import pytest
+
+from kvroute._native import PrefixIndex
+from kvroute.cli import main
+from kvroute.routing.policies import create_policy
+from kvroute.routing.policies.base import Decision, Policy, RouteRequest
+from kvroute.sim.cost import CostModel
+from kvroute.sim.fleet import FleetConfig, prepare, simulate, worker_names
+from kvroute.sim.routers import InstantEvents, RouterTier, bypass_plan
+from kvroute.sim.workloads import Request
+
+COST = CostModel(
+    max_batch=8,
+    prefill_tokens_per_s=10_000,
+    overhead_s=0.0,
+    decode_s_per_token=0.01,
+    decode_batch_slowdown=0.0,
+)
+
+
+def prompt(seed: int, n: int = 512) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 50_000, n, dtype=np.uint32)
+
+
+def one_prompt_twice(gap_s: float, output_len: int = 4) -> list[Request]:
+    """The same prompt at 0 and at ``gap_s`` (the first long done by then)."""
+    p = prompt(7)
+    return [Request(0.0, p, output_len, 0), Request(gap_s, p.copy(), output_len, 0)]
+
+
+def cache_aware(index: PrefixIndex) -> Policy:
+    return create_policy("cache_aware", index)
+
+
+def test_replicas_each_keep_their_own_index_and_loads() -> None:
+    names = worker_names(4)
+    tier = RouterTier(cache_aware, names, replicas=2)
+    tokens = RouteRequest(tokens=prompt(1).tolist())
+    first = tier.route(0, tokens)  # replica 0
+    second = tier.route(1, tokens)  # replica 1: has never seen this prefix
+    a, b = tier.policies
+    assert a.index.match(tokens.tokens) == {first: 512}  # type: ignore[attr-defined]
+    assert b.index.match(tokens.tokens) == {second: 512}  # type: ignore[attr-defined]
+    assert tier.loads[0] == {w: int(w == first) for w in names}
+    assert tier.loads[1] == {w: int(w == second) for w in names}
+    assert tier.route(2, tokens) == first  # replica 0 again: its own cache hit
+    tier.done(0)
+    tier.done(1)
+    tier.done(2)
+    assert tier.in_flight() == 0
+    tier.done(2)  # idempotent
+    assert tier.in_flight() == 0
+
+
+def test_replicas_in_precise_mode_share_the_engines_events() -> None:
+    names = worker_names(4)
+    events = InstantEvents(names)
+    caches = [events.cache(w, 100_000, 16) for w in names]
+    tier = RouterTier(cache_aware, names, replicas=3, events=events)
+    tokens = prompt(2)
+    caches[3].admit(tokens.tolist())  # worker 3 caches it; no replica routed it
+    for r in range(3):  # every replica in turn finds it there
+        assert tier.route(r, RouteRequest(tokens=tokens.tolist())) == names[3]
+
+
+def test_replicas_in_the_fleet() -> None:
+    reqs = [Request(0.01 * i, prompt(i % 4), 8, i % 4) for i in range(64)]
+    prep = prepare(reqs, 16)
+    calls: list[int] = []
+
+    class Counting(Policy):
+        name = "counting"
+
+        def __init__(self) -> None:
+            self.me = len(calls)
+            calls.append(0)
+
+        def select(self, request: RouteRequest, loads: Mapping[str, int]) -> Decision:
+            calls[self.me] += 1
+            assert sum(loads.values()) <= calls[self.me]  # only this replica's requests
+            return Decision(min(loads, key=lambda w: (loads[w], w)), "least_load")
+
+    row = simulate(prep, lambda index: Counting(), FleetConfig(workers=2, router_replicas=3))
+    assert calls == [22, 21, 21]  # dealt in turn
+    assert row.extra["final_inflight"] == 0 and row.requests == 64
+    # Each replica balances only its own requests: both land on the first worker first.
+    one = simulate(prep, "cache_aware", FleetConfig(workers=4, cost=COST))
+    three = simulate(prep, "cache_aware", FleetConfig(workers=4, cost=COST, router_replicas=3))
+    assert three.extra["router_replicas"] == 3
+    assert three.hit_rate < one.hit_rate  # each replica places the 4 prefixes anew
+
+
+def test_bypass_plan() -> None:
+    plan = bypass_plan(10_000, 0.2, 4, seed=3)
+    assert plan == bypass_plan(10_000, 0.2, 4, seed=3)  # the same for every policy
+    bypassed = [w for w in plan if w >= 0]
+    assert len(bypassed) == pytest.approx(2000, rel=0.1)
+    assert set(bypassed) == {0, 1, 2, 3}
+    assert bypass_plan(5, 0.0, 4, seed=0) == [-1] * 5
+    assert all(w >= 0 for w in bypass_plan(50, 1.0, 4, seed=0))
+    with pytest.raises(ValueError):
+        bypass_plan(5, 1.5, 4, seed=0)
+
+
+def test_bypass_is_unseen_by_the_router_but_seen_by_events() -> None:
+    # A seed whose plan sends request 0 straight to worker 3 and routes request 1.
+    seed = next(s for s in range(1000) if bypass_plan(2, 0.5, 4, s)[:2] == [3, -1])
+    reqs = one_prompt_twice(gap_s=100.0)
+    prep = prepare(reqs, 16)
+    cfg = FleetConfig(workers=4, cost=COST, bypass_fraction=0.5, seed=seed)
+    approx = simulate(prep, "cache_aware", cfg, record=True)
+    precise = simulate(prep, "cache_aware+events", cfg, record=True)
+    assert approx.extra["bypassed"] == precise.extra["bypassed"] == 1
+    assert approx.extra["assigned"][0] == precise.extra["assigned"][0] == 3
+    # The router never saw request 0: approximate mode picks by load (not worker 3).
+    assert approx.extra["assigned"][1] != 3 and approx.extra["cached"][1] == 0
+    # Precise mode saw worker 3 store the prompt.
+    assert precise.extra["assigned"][1] == 3 and precise.extra["cached"][1] == 496
+
+
+def test_bypass_takes_no_router_load() -> None:
+    reqs = [Request(0.0, prompt(i), 50, i) for i in range(40)]
+    cfg = FleetConfig(workers=4, cost=COST, bypass_fraction=1.0)
+    row = simulate(prepare(reqs, 16), "round_robin", cfg)
+    assert row.extra["bypassed"] == 40 and row.requests == 40
+    assert row.extra["final_inflight"] == 0 and row.decision_us == 0.0
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "cache_aware+events"])
+def test_restart_loses_the_cache(policy: str) -> None:
+    reqs = one_prompt_twice(gap_s=100.0)
+    prep = prepare(reqs, 16)
+    kept = simulate(prep, policy, FleetConfig(workers=1, cost=COST), record=True)
+    assert kept.extra["cached"] == [0, 496] and kept.extra["restarts"] == 0
+    lost = simulate(
+        prep, policy, FleetConfig(workers=1, cost=COST, restart_every_s=50.0), record=True
+    )
+    assert lost.extra["cached"] == [0, 0] and lost.extra["restarts"] == 2
+
+
+def test_restart_mid_request_and_precise_sees_it() -> None:
+    # Both workers restart in turn while request 0 decodes (its output blocks are then
+    # not cached) and before request 1: precise mode knows its worker is empty, so the
+    # prompt goes by load; approximate mode still predicts it there (a miss either way).
+    reqs = one_prompt_twice(gap_s=100.0, output_len=400)
+    prep = prepare(reqs, 16)
+    cfg = FleetConfig(workers=2, cost=COST, restart_every_s=2.0)
+    rows = {p: simulate(prep, p, cfg, record=True) for p in ("cache_aware", "cache_aware+events")}
+    for row in rows.values():
+        assert row.requests == 2 and row.extra["final_running"] == 0
+        assert row.extra["restarts"] >= 2 and row.extra["cached"][1] == 0
+    first, second = rows["cache_aware"].extra["assigned"]
+    assert second == first
+    first, second = rows["cache_aware+events"].extra["assigned"]
+    assert second != first
+    cfg.restart_every_s = None  # control: without the restart precise mode goes back
+    first, second = simulate(prep, "cache_aware+events", cfg, record=True).extra["assigned"]
+    assert second == first
+
+
+def test_simulate_cli_divergence_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["simulate", "--workload", "gsp", "--workers", "4", "--groups", "4"]
+    base += ["--prompts-per-group", "4", "--system-len", "256", "--question-len", "16"]
+    base += ["--output-len", "8", "--policies", "cache_aware,cache_aware+events", "--json"]
+    flags = ["--router-replicas", "2", "--bypass-fraction", "0.25", "--restart-every", "0.5"]
+    assert main(base + flags) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["router_replicas"] == 2 and doc["bypass_fraction"] == 0.25
+    for row in doc["rows"]:
+        assert row["extra"]["router_replicas"] == 2 and row["extra"]["bypassed"] > 0
+    for bad in (["--router-replicas", "0"], ["--bypass-fraction", "2"], ["--restart-every", "0"]):
+        assert main(base + bad) == 2
+
+
+def test_guard_counts_what_the_engine_holds_beyond_this_router() -> None:
+    """cache_aware's guard adds ``others`` (the engine's running + waiting beyond this
+    router's own requests) to a holder's load."""
+    index = PrefixIndex(None)
+    pol = create_policy("cache_aware", index, worker_capacity=2)
+    tokens = prompt(3).tolist()
+    index.insert("a", tokens)
+    loads = {"a": 1, "b": 0}
+    assert pol.select(RouteRequest(tokens=tokens), loads).worker == "a"
+    pol.others = {"a": 1}  # type: ignore[attr-defined]  # another replica's request
+    d = pol.select(RouteRequest(tokens=tokens), loads)
+    assert (d.worker, d.reason) == ("b", "overflow")
+
+
+def test_replicas_guard_a_holder_the_engine_reports_full() -> None:
+    """Two replicas each with one request on the holder of a prefix (capacity 2): each
+    sees the holder at half its capacity until an engine poll shows both."""
+    names = worker_names(2)
+    make = lambda index: create_policy("cache_aware", index, worker_capacity=2)  # noqa: E731
+    tier = RouterTier(make, names, replicas=2)
+    tokens = prompt(4).tolist()
+    holder, spare = names
+    for k, pol in enumerate(tier.policies):
+        pol.index.insert(holder, tokens)  # type: ignore[attr-defined]
+        tier.loads[k][holder] = 1
+    assert tier.policies[0].select(RouteRequest(tokens=tokens), tier.loads[0]).worker == holder
+    tier.poll([2, 0])  # the holder's engine runs both replicas' requests
+    assert tier.others == [{holder: 1, spare: 0}, {holder: 1, spare: 0}]
+    for k in (0, 1):
+        d = tier.policies[k].select(RouteRequest(tokens=tokens), tier.loads[k])
+        assert (d.worker, d.reason) == (spare, "overflow")
+
+
+def test_engine_polls_change_nothing_for_a_single_router() -> None:
+    """One router, no bypass: an engine holds exactly the router's requests, so the
+    guard's load is the same with polls as without."""
+    reqs = [Request(0.02 * i, prompt(i % 3), 200, i % 3) for i in range(60)]
+    prep = prepare(reqs, 16)
+
+    def run(replicas: int, poll: float | None) -> tuple[list[int], float]:
+        cfg = FleetConfig(
+            workers=4,
+            cost=COST,
+            router_replicas=replicas,
+            policy_settings={"worker_capacity": 4},
+            engine_poll_s=poll,
+        )
+        row = simulate(prep, "cache_aware", cfg, record=True)
+        return row.extra["assigned"], row.ttft_p99  # type: ignore[return-value]
+
+    assert run(1, 0.1) == run(1, None)
+    assert run(2, 0.1) != run(2, None)  # with two replicas the polls do change routing
