@@ -110,7 +110,7 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=1000)
     ap.add_argument("--json", default=None)
     ap.add_argument(
-        "--summary", default=None, metavar="JSON", help="only print the README table of a run"
+        "--summary", default=None, metavar="JSON", help="only print the summary table of a run"
     )
     args = ap.parse_args()
     if args.summary:

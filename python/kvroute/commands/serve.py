@@ -101,7 +101,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         metavar="URL=ENDPOINT",
         help="precise mode: route on the engine's own KV cache events. "
         "'WORKER_URL=tcp://host:port[;topic=T][;replay=tcp://...][;bind]', "
-        "one per worker (see README, Precise mode)",
+        "one per worker (see docs/precise-mode.md)",
     )
     n = p.add_argument_group("network")
     n.add_argument("--host", default="127.0.0.1", help="address to listen on")
