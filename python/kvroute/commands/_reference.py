@@ -8,8 +8,9 @@ fails when the committed page differs from what this prints.
 from __future__ import annotations
 
 import argparse
+import importlib
 
-from kvroute.cli import COMMANDS, _load
+from kvroute.commands import COMMANDS
 
 HEADER = """# Configuration reference
 
@@ -51,7 +52,7 @@ def _flag(action: argparse.Action) -> str:
 def command_parser(name: str) -> argparse.ArgumentParser:
     module_name, help_text = COMMANDS[name]
     p = argparse.ArgumentParser(prog=f"kvroute {name}", description=help_text)
-    _load(module_name).configure(p)
+    importlib.import_module(f"kvroute.commands.{module_name}").configure(p)
     return p
 
 
