@@ -80,6 +80,7 @@ class RouterState:
                 "mode": self.events.mode(w.url) if self.events is not None else "approximate",
                 "capacity": self.worker_capacity(w.url),
                 "external_load": self.others.get(w.url) if self.polls_engine else None,
+                "models": sorted(w.models) if w.models is not None else None,
             }
             for w in self.registry.workers.values()
         ]
