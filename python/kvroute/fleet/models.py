@@ -83,6 +83,14 @@ def partition_token(adapter: str | None, salt: str | None) -> int | None:
     return PARTITION_BASE | (digest % PARTITION_SPAN)
 
 
+def adapter_partition(adapter: str) -> int:
+    """The partition token of LoRA ``adapter``'s unsalted requests (its KV events' blocks
+    are kept under it in precise mode)."""
+    token = partition_token(adapter or "?", None)
+    assert token is not None
+    return token
+
+
 class ModelLabels:
     """Model names as a bounded metric label: the first ``cap`` distinct names keep
     their own label, later ones share ``other`` (a client cannot grow the series)."""
