@@ -179,3 +179,45 @@ def test_adapter_unloaded_leaves_its_rotation_and_model_without_workers_is_503(
     )
     assert r.status_code == 503
     assert re.search(r"no healthy worker serves model 'beta'", r.json()["error"]["message"])
+
+
+def test_precise_mode_matches_an_adapter_on_its_own_blocks(tmp_path: Path) -> None:
+    """Sim workers publish vLLM-format events with ``lora_name``; the router keeps them
+    in the adapter's partition, so a repeated adapter prompt is a precise hit once the
+    first request has ended (its pending copy gone), and the base model's copy is not."""
+    from kvroute.eval.quality import kvroute_spec, start_sim_workers, wait_precise
+    from kvroute.eval.quality import start_router as start_quality_router
+
+    args = ["--model", "alpha", "--lora-adapters", "alpha-sql", *SIM]
+    workers = start_sim_workers(2, str(tmp_path), args, kv_events=True)
+    servers: list[Server] = list(workers)
+    try:
+        spec = kvroute_spec("cache_aware+events", ["--health-check-interval-secs", "0.2"])
+        router = start_quality_router(spec, workers, str(tmp_path), tmp_path)
+        servers.append(router)
+        wait_precise(router, workers)
+        prompt = list(range(1000, 1200))
+
+        def send(model: str) -> str:
+            body = {"model": model, "prompt": prompt, "max_tokens": 1}
+            r = httpx.post(router.url + "/v1/completions", json=body, timeout=10)
+            assert r.status_code == 200, r.text
+            return r.headers["x-kvroute-worker"]
+
+        def precise_hits() -> float:
+            return _counter(
+                router, "kvroute_routing_decisions_total", reason="cache_hit", source="precise"
+            )
+
+        first = send("alpha-sql")
+        _wait(lambda: all(w["mode"] == "precise" for w in _workers(router)))
+        time.sleep(0.5)  # the stored blocks' event crosses ZMQ
+        before = precise_hits()
+        assert send("alpha-sql") == first
+        assert precise_hits() == before + 1
+        before = precise_hits()
+        send("alpha")  # the base model holds none of the adapter's blocks
+        assert precise_hits() == before
+    finally:
+        for s in reversed(servers):
+            s.stop()
