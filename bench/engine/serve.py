@@ -51,6 +51,7 @@ class ReplicaOptions:
     max_model_len: int = 1024
     kvcache_space_gib: int = 1
     extra_args: list[str] = field(default_factory=list)
+    extra_env: dict[str, str] = field(default_factory=dict)
 
 
 def kv_events_config(endpoint: str, topic: str, replay_endpoint: str | None = None) -> str:
@@ -121,6 +122,7 @@ def start_replica(
     }
     if core is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+    env.update(opts.extra_env)
     return start_server(f"vllm-{port}", argv, port, timeout_s=timeout_s, env=env, log_dir=scratch)
 
 

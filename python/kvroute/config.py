@@ -54,6 +54,18 @@ def normalize_worker_url(url: str) -> str:
     return url.strip().rstrip("/")
 
 
+def parse_worker_models(spec: str) -> tuple[str, list[str]]:
+    """``--worker-models URL=MODEL[,MODEL...]`` as (url, models); ValueError if malformed."""
+    url, sep, names = spec.partition("=")
+    models = [n.strip() for n in names.split(",") if n.strip()]
+    if not sep or not url or not models:
+        raise ValueError(
+            f"--worker-models {spec!r}: expected URL=MODEL[,MODEL...], e.g. "
+            "http://10.0.0.1:8000=qwen3-8b,qwen3-8b-sql-lora"
+        )
+    return url, models
+
+
 @dataclass
 class Settings:
     worker_urls: list[str] = field(default_factory=list)
@@ -96,6 +108,10 @@ class Settings:
     log_level: str = "info"
     tokenizer_cache_size: int = 8192
     kv_events: list[str] = field(default_factory=list)
+    # Models: what a request without ``model`` (SGLang /generate) asks for, and workers'
+    # models set by the operator (``URL=MODEL[,MODEL...]``) instead of read from them.
+    default_model: str | None = None
+    worker_models: list[str] = field(default_factory=list)
 
     def validate(self) -> Settings:
         self.worker_urls = [normalize_worker_url(u) for u in self.worker_urls]
@@ -148,6 +164,16 @@ class Settings:
             raise ConfigError("--worker-capacity must be >= 1")
         if self.bounded_load_factor < 1.0:
             raise ConfigError("--bounded-load-factor must be >= 1.0")
+        fixed: dict[str, list[str]] = {}
+        for spec in self.worker_models:
+            try:
+                url, models = parse_worker_models(spec)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            fixed[normalize_worker_url(url)] = models
+        self.worker_models = [f"{u}={','.join(m)}" for u, m in fixed.items()]
+        if self.default_model is not None and not self.default_model.strip():
+            raise ConfigError("--default-model must not be empty")
         if self.log_level.lower() not in ("debug", "info", "warning", "warn", "error", "critical"):
             raise ConfigError(f"unknown --log-level {self.log_level!r}")
         return self

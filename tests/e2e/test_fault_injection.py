@@ -99,6 +99,10 @@ def test_worker_refusing_at_startup_then_coming_back(
         assert all(
             c.post("/v1/completions", json={"prompt": f"q{i}"}).status_code == 200 for i in range(4)
         )
+    # Health checks (every 0.2 s, two failures) take it out even if no request tried it.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and workers_state(router)[late]["healthy"]:
+        time.sleep(0.1)
     assert workers_state(router)[late]["healthy"] is False
     # A worker that dies and comes back on the same port rejoins via health checks.
     port = workers[0].url.rsplit(":", 1)[1]

@@ -686,3 +686,36 @@ def test_subscriber_configured_before_start_or_never_started() -> None:
     assert sub.stop() and sub.stop()
     with pytest.raises(RuntimeError, match="starts once"):
         sub.start()
+
+
+def test_lora_blocks_go_to_their_adapter_partition() -> None:
+    from kvroute.fleet.models import adapter_partition
+
+    tracker = EventTracker(BlockIndex(), partition_of=adapter_partition)
+    view = PreciseView(tracker)
+    t = toks(12)
+    tracker.feed(
+        "w",
+        0,
+        payload(
+            [
+                stored([1, 2], None, t[:8], lora_id=1, lora_name="sql"),
+                stored([3], 2, t[8:12], lora_id=1, lora_name="sql"),  # child in the partition
+                stored([9], None, t[:4]),  # the base model's first block
+                stored([50], None, t[:4], lora_id=2),  # an ID without a name: not keyable
+            ]
+        ),
+    )
+    sql, chat = adapter_partition("sql"), adapter_partition("chat")
+    assert view.match([sql, *t])[0] == {"w": 13}, "partition token + 3 blocks"
+    assert view.match(t)[0] == {"w": 4}, "the base model sees only its own block"
+    assert view.match([chat, *t])[0] == {}, "another adapter shares nothing"
+    assert tracker.snapshot()["w"]["cached_tokens"] == 16
+    tracker.feed("w", 1, payload([removed([2])]))
+    assert view.match([sql, *t])[0] == {"w": 5}, "a removal reaches the partition"
+    tracker.feed("w", 2, payload([{"type": "AllBlocksCleared"}]))
+    assert view.match([sql, *t])[0] == {} and view.match(t)[0] == {}
+    # Without partitions (the tracker's default) LoRA blocks stay ignored.
+    plain = EventTracker(BlockIndex())
+    plain.feed("w", 0, payload([stored([1, 2], None, t[:8], lora_id=1, lora_name="sql")]))
+    assert plain.partitions == {} and plain.index.match(t) == {}

@@ -103,6 +103,24 @@ def configure(p: argparse.ArgumentParser) -> None:
         "'WORKER_URL=tcp://host:port[;topic=T][;replay=tcp://...][;bind]', "
         "one per worker (see docs/precise-mode.md)",
     )
+    m = p.add_argument_group("models and adapters")
+    m.add_argument(
+        "--default-model",
+        default=None,
+        metavar="NAME",
+        help="the model of requests that name none (SGLang's /generate): they go to the "
+        "workers serving it. Default: any worker. Set it when the fleet serves several "
+        "models",
+    )
+    m.add_argument(
+        "--worker-models",
+        action="append",
+        default=[],
+        metavar="URL=MODEL[,MODEL...]",
+        help="the models (base model and LoRA adapters) a worker serves, instead of "
+        "reading its GET /v1/models at start and after each health check; repeat per "
+        "worker. A worker whose models are unknown takes requests for any model",
+    )
     n = p.add_argument_group("network")
     n.add_argument("--host", default="127.0.0.1", help="address to listen on")
     n.add_argument("--port", type=int, default=30000, help="port to listen on")

@@ -19,6 +19,14 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--model", default="sim", help="model name reported and accepted")
     p.add_argument(
+        "--lora-adapters",
+        default="",
+        metavar="NAME[,NAME...]",
+        help="LoRA adapters served besides --model (listed by /v1/models with their "
+        "parent, requested by name in 'model'); each adapter's KV is cached apart, as "
+        "vLLM keys blocks by adapter",
+    )
+    p.add_argument(
         "--tokenizer",
         default=None,
         help="tokenizer directory (transformers); default: UTF-8 bytes of the text",
@@ -105,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = SimConfig(
             model=args.model,
+            lora_adapters=tuple(n.strip() for n in args.lora_adapters.split(",") if n.strip()),
             capacity_tokens=args.capacity_tokens,
             block_size=args.block_size,
             cost=cost.CostModel(

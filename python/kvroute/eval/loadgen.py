@@ -53,17 +53,20 @@ def tokens_to_text(tokens: Sequence[int]) -> str:
 
 
 def _body(req: ReplayRequest, model: str, as_text: bool) -> bytes:
-    return orjson.dumps(
-        {
-            "model": model,
-            "prompt": tokens_to_text(req.tokens) if as_text else list(map(int, req.tokens)),
-            "max_tokens": int(req.output_len),
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "ignore_eos": True,
-            "temperature": 0,
-        }
-    )
+    body = {
+        # A request may name its own model (a mixed fleet) and vLLM's cache_salt.
+        "model": getattr(req, "model", None) or model,
+        "prompt": tokens_to_text(req.tokens) if as_text else list(map(int, req.tokens)),
+        "max_tokens": int(req.output_len),
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+    salt = getattr(req, "cache_salt", None)
+    if salt:
+        body["cache_salt"] = salt
+    return orjson.dumps(body)
 
 
 async def _one(

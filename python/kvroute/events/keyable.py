@@ -4,7 +4,9 @@ kvroute keys a block by a chain hash of its tokens, so a block whose engine hash
 depends on something else must not be indexed, or a plain-text request would match
 it. Ignored, with all their descendants:
 
-* LoRA blocks (``lora_id`` / ``lora_name``): the same tokens under another adapter;
+* LoRA blocks (``lora_id`` / ``lora_name``): the same tokens under another adapter,
+  unless the tracker keeps a partition per adapter (``named_lora``) and the event names
+  its adapter (vLLM sends ``lora_name``; an ID alone cannot be matched to a request);
 * blocks with ``extra_keys`` (multimodal inputs, ``cache_salt``, prompt embeddings),
   from the first such block of an event on;
 * media other than the GPU cache (``medium`` "CPU" / "STORAGE": offloaded copies whose
@@ -45,18 +47,20 @@ class KeyableFilter:
             self.group = group
         return group == self.group
 
-    def keyable(self, ev: BlockStored) -> int:
-        """How many leading blocks of ``ev`` to index; the rest are remembered as ignored."""
-        keep = self._keyable(ev)
+    def keyable(self, ev: BlockStored, named_lora: bool = False) -> int:
+        """How many leading blocks of ``ev`` to index; the rest are remembered as ignored.
+        ``named_lora``: blocks of a named LoRA adapter are indexable (in its partition)."""
+        keep = self._keyable(ev, named_lora)
         self.ignored.update(ev.block_hashes[keep:])
         return keep
 
     def removed(self, hashes: list[int]) -> None:
         self.ignored.difference_update(hashes)
 
-    def _keyable(self, ev: BlockStored) -> int:
+    def _keyable(self, ev: BlockStored, named_lora: bool) -> int:
         if ev.lora_id is not None or ev.lora_name is not None:
-            return 0
+            if not (named_lora and ev.lora_name):
+                return 0
         if ev.parent_block_hash is not None and ev.parent_block_hash in self.ignored:
             return 0
         n = min(len(ev.block_hashes), len(ev.token_ids) // ev.block_size)  # partial page

@@ -33,8 +33,15 @@ Transitions on a batch with seq ``s`` when the last applied seq is ``l``:
     in order; the router's health checker covers that case by calling ``reset(worker)``
     when a worker goes down (state dropped, ``approximate`` until its next batch).
 
-Events kvroute cannot key by token IDs alone (LoRA, multimodal, other media or KV
-cache groups) are skipped: see ``kvroute.events.keyable``.
+Events kvroute cannot key by token IDs alone (multimodal, other media or KV cache
+groups; LoRA without partitions) are skipped: see ``kvroute.events.keyable``.
+
+LoRA partitions: with ``partition_of`` (adapter name -> the partition token the router
+puts before that adapter's requests, ``kvroute.fleet.models``), a block stored under a
+named LoRA adapter goes to that adapter's own ``BlockIndex`` in ``partitions``, keyed by
+the partition token, so a request for the adapter (whose tokens start with that token)
+is matched against what the engine caches for that adapter and nothing else.
+Removals, clears and resets apply to every partition.
 
 Threading: ``feed`` is called by one thread (the subscriber); ``mode``,
 ``precise_workers`` and ``snapshot`` from any thread (``kvroute.events.view``). A replay
@@ -112,12 +119,15 @@ class EventTracker:
         *,
         rebuild_batches: int = 64,
         replayer: Replayer | None = None,
+        partition_of: Callable[[str], int] | None = None,
     ) -> None:
         if rebuild_batches < 1:
             raise ValueError("rebuild_batches must be >= 1")
         self.index = index if index is not None else BlockIndex()
         self.rebuild_batches = rebuild_batches
         self.replayer = replayer
+        self.partition_of = partition_of
+        self.partitions: dict[int, BlockIndex] = {}  # partition token -> adapter's blocks
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # guards _streams and every _Stream
         self._feed_lock = threading.Lock()  # one feeder at a time
@@ -139,7 +149,8 @@ class EventTracker:
             s = self._streams.pop(worker, None)
             if s is not None:
                 s.epoch += 1
-            self.index.remove_worker(worker)
+            for index in self._indexes():
+                index.remove_worker(worker)
 
     def reset(self, worker: str) -> None:
         """Drop the worker's blocks and sequence: call when the worker went down (it may
@@ -180,8 +191,8 @@ class EventTracker:
                 row.update(vars(s.counters))
                 out[w] = row
         for w, row in out.items():
-            row["cached_blocks"] = self.index.cached_blocks(w)
-            row["cached_tokens"] = self.index.cached_tokens(w)
+            row["cached_blocks"] = sum(i.cached_blocks(w) for i in self._indexes())
+            row["cached_tokens"] = sum(i.cached_tokens(w) for i in self._indexes())
         return out
 
     # -- feeding (the subscriber thread) ---------------------------------------------
@@ -282,8 +293,21 @@ class EventTracker:
 
     # -- under self._lock ------------------------------------------------------------
 
+    def _indexes(self) -> list[BlockIndex]:
+        return [self.index, *self.partitions.values()]
+
+    def _index_for(self, ev: BlockStored) -> BlockIndex:
+        if ev.lora_name is None or self.partition_of is None:
+            return self.index
+        token = self.partition_of(ev.lora_name)
+        index = self.partitions.get(token)
+        if index is None:
+            index = self.partitions[token] = BlockIndex()
+        return index
+
     def _reset(self, worker: str, s: _Stream, mode: Mode) -> None:
-        self.index.clear_worker(worker)
+        for index in self._indexes():
+            index.clear_worker(worker)
         s.keys.clear()
         s.last_seq = None
         s.mode = mode
@@ -316,10 +340,12 @@ class EventTracker:
                     c.events_ignored += 1
                     continue
                 s.keys.removed(ev.block_hashes)
-                self.index.removed(worker, ev.block_hashes)
+                for index in self._indexes():
+                    index.removed(worker, ev.block_hashes)
                 c.events_applied += 1
             elif isinstance(ev, AllBlocksCleared):
-                self.index.clear_worker(worker)
+                for index in self._indexes():
+                    index.clear_worker(worker)
                 s.keys.clear()
                 s.mode = "precise"
                 c.events_applied += 1
@@ -334,12 +360,12 @@ class EventTracker:
         if not s.keys.wanted(ev.medium, ev.group_idx, ev.kv_cache_spec_kind):
             c.events_ignored += 1
             return
-        keep = s.keys.keyable(ev)
+        keep = s.keys.keyable(ev, named_lora=self.partition_of is not None)
         if keep == 0:
             c.events_ignored += 1
             return
         try:
-            self.index.stored(
+            self._index_for(ev).stored(
                 worker,
                 ev.parent_block_hash,
                 ev.block_hashes[:keep],

@@ -9,7 +9,7 @@ so it is warm whenever a worker falls back to it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from kvroute._native import PrefixIndex
 from kvroute.events.tracker import EventTracker, Mode
@@ -26,11 +26,17 @@ class PreciseView:
     def __init__(self, tracker: EventTracker) -> None:
         self.tracker = tracker
 
-    def match(self, tokens: Iterable[int]) -> tuple[dict[str, int], set[str]]:
+    def match(self, tokens: Sequence[int]) -> tuple[dict[str, int], set[str]]:
         precise = self.tracker.precise_workers()
         if not precise:
             return {}, precise
-        got = self.tracker.index.match(tokens)
+        partition = self.tracker.partitions.get(tokens[0]) if len(tokens) else None
+        if partition is not None:
+            # A LoRA adapter's request: its tokens behind the partition token, which
+            # counts as matched wherever the adapter's blocks match (as in PrefixIndex).
+            got = {w: n + 1 for w, n in partition.match(tokens[1:]).items() if n}
+        else:
+            got = self.tracker.index.match(tokens)
         return {w: n for w, n in got.items() if w in precise}, precise
 
     def merged_match(

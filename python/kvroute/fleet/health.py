@@ -4,7 +4,8 @@ Every ``health_check_interval_secs`` each worker's health endpoint is asked; the
 registry turns the answers into up/down (``kvroute.fleet.registry``). With the
 saturation guard on, a healthy worker's ``/metrics`` is read right after: its
 running/waiting counts feed the capacity learner and the load its engine holds beyond
-this router's own requests (``kvroute.fleet.engine_load``).
+this router's own requests (``kvroute.fleet.engine_load``). The models a healthy
+worker serves are read from its ``/v1/models`` after each check (``kvroute.fleet.models``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import httpx
 
 from kvroute.config import Settings
 from kvroute.fleet.engine_load import CapacityLearner, others_load, parse_engine_load
+from kvroute.fleet.models import parse_models
 from kvroute.fleet.registry import Registry
 
 log = logging.getLogger("kvroute.fleet.health")
@@ -52,6 +54,23 @@ async def poll_engine_load(state: Checked, url: str) -> None:
         state.others[url] = others_load(*load, worker.in_flight)
 
 
+async def refresh_models(state: Checked, url: str) -> None:
+    """Read what ``url`` serves from its ``GET /v1/models`` (unless the operator set it).
+    An answer that is not a model list leaves what was known unchanged."""
+    w = state.registry.workers.get(url)
+    if w is None or w.models_fixed:
+        return
+    try:
+        r = await state.client.get(
+            url + "/v1/models", timeout=state.settings.health_check_timeout_secs
+        )
+        models = parse_models(r.json()) if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return
+    if models is not None:
+        state.registry.set_models(url, models)
+
+
 async def health_loop(state: Checked) -> None:
     s = state.settings
     while True:
@@ -66,8 +85,10 @@ async def health_loop(state: Checked) -> None:
             except httpx.HTTPError as e:
                 state.registry.record_check(url, False, type(e).__name__)
                 return
-            if state.polls_engine and r.status_code == 200:
-                await poll_engine_load(state, url)
+            if r.status_code == 200:
+                await refresh_models(state, url)
+                if state.polls_engine:
+                    await poll_engine_load(state, url)
 
         try:
             await asyncio.gather(*(check(u) for u in urls))

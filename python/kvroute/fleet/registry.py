@@ -24,7 +24,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvroute.config import Settings
+from kvroute.config import Settings, normalize_worker_url, parse_worker_models
+from kvroute.fleet.models import ServedModel, named_models
 
 log = logging.getLogger("kvroute.fleet.registry")
 
@@ -45,6 +46,13 @@ class Worker:
     cooldown_until: float = 0.0
     down_reason: str = ""
     extra: dict[str, object] = field(default_factory=dict)
+    # Models it serves by name (``kvroute.fleet.models``): None while unknown (it then
+    # serves any model); ``models_fixed`` when the operator set them (never re-read).
+    models: dict[str, ServedModel] | None = None
+    models_fixed: bool = False
+
+    def serves(self, model: str | None) -> bool:
+        return model is None or self.models is None or model in self.models
 
     def available(self, now: float) -> bool:
         return self.healthy and now >= self.circuit_open_until and now >= self.cooldown_until
@@ -84,12 +92,20 @@ class Registry:
         self.workers: dict[str, Worker] = {}
         self._on_down = on_down
         self._on_added = on_added
+        # --worker-models: applied when the worker joins, whenever that is.
+        self.fixed_models: dict[str, list[ServedModel]] = {}
+        for spec in settings.worker_models:
+            url, names = parse_worker_models(spec)
+            self.fixed_models[normalize_worker_url(url)] = named_models(names)
 
     def add(self, url: str) -> Worker:
         if url in self.workers:
             return self.workers[url]
         w = Worker(url)
         self.workers[url] = w
+        if url in self.fixed_models:
+            w.models = {m.id: m for m in self.fixed_models[url]}
+            w.models_fixed = True
         if self._on_added is not None:
             self._on_added(url)
         log.info("worker added: %s", url)
@@ -103,12 +119,56 @@ class Registry:
             log.info("worker removed: %s", url)
         return w
 
-    def loads(self, exclude: set[str] | frozenset[str] = frozenset()) -> dict[str, int]:
-        """In-flight count of every worker that can take a request now."""
+    def loads(
+        self, exclude: set[str] | frozenset[str] = frozenset(), model: str | None = None
+    ) -> dict[str, int]:
+        """In-flight count of every worker that can take a request for ``model`` now."""
         now = time.monotonic()
         return {
-            u: w.in_flight for u, w in self.workers.items() if u not in exclude and w.available(now)
+            u: w.in_flight
+            for u, w in self.workers.items()
+            if u not in exclude and w.available(now) and w.serves(model)
         }
+
+    # ------------------------------------------------------------- models
+
+    def set_models(self, url: str, models: list[ServedModel], *, fixed: bool = False) -> None:
+        """What ``url`` serves, from its ``/v1/models`` or (``fixed``) from the operator;
+        a read from the worker never overrides what the operator set."""
+        w = self.workers.get(url)
+        if w is None or (w.models_fixed and not fixed):
+            return
+        new = {m.id: m for m in models}
+        if w.models is None or new.keys() != w.models.keys():
+            log.info("worker %s serves: %s", url, ", ".join(sorted(new)) or "nothing")
+        w.models = new
+        w.models_fixed = w.models_fixed or fixed
+
+    def known_models(self) -> dict[str, ServedModel]:
+        """Every model some worker lists (healthy or not), by name."""
+        out: dict[str, ServedModel] = {}
+        for w in self.workers.values():
+            if w.models:
+                for name, m in w.models.items():
+                    out.setdefault(name, m)
+        return out
+
+    def model_routable(self, model: str | None) -> bool:
+        """False when no worker can ever serve ``model``: every worker's models are known
+        and none lists it (a 404 for the client, not a 503)."""
+        if model is None:
+            return True
+        return any(w.models is None or model in w.models for w in self.workers.values())
+
+    def is_adapter(self, model: str | None) -> bool:
+        """``model`` is a LoRA adapter on some worker (its KV is its own partition)."""
+        if model is None:
+            return False
+        for w in self.workers.values():
+            m = w.models.get(model) if w.models else None
+            if m is not None:
+                return m.is_adapter
+        return False
 
     def reserve(self, url: str, on_release: Callable[[], None] | None = None) -> Reservation:
         """One unit of load on ``url``; ``on_release`` runs once when it is released."""

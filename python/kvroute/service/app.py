@@ -33,7 +33,8 @@ from kvroute.errors import (
     UnauthorizedError,
     error_response,
 )
-from kvroute.fleet.health import health_loop
+from kvroute.fleet.health import health_loop, refresh_models
+from kvroute.fleet.models import listing, named_models
 from kvroute.routing.tokenization import PromptTokenizer
 from kvroute.service.fastpath import INFERENCE_PATHS, RouterApp
 from kvroute.service.proxy import Forwarder, ProxyStream, parse_object, read_body
@@ -199,22 +200,13 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
+        """Each model the healthy workers serve, once; workers whose models are not
+        known yet are asked now."""
         check_api_key(request)
-
-        async def fetch(url: str) -> list[Any]:
-            try:
-                r = await state.client.get(url + "/v1/models", timeout=5.0)
-                data = r.json().get("data", [])
-                return data if isinstance(data, list) else []
-            except (httpx.HTTPError, ValueError, AttributeError):
-                return []
-
-        seen: dict[str, Any] = {}
-        for data in await asyncio.gather(*(fetch(u) for u in state.registry.loads())):
-            for m in data:
-                if isinstance(m, dict) and isinstance(m.get("id"), str):
-                    seen.setdefault(m["id"], m)
-        return JSONResponse({"object": "list", "data": list(seen.values())})
+        healthy = [state.registry.workers[u] for u in state.registry.loads()]
+        await asyncio.gather(*(refresh_models(state, w.url) for w in healthy if w.models is None))
+        served = [m for w in healthy if w.models for m in w.models.values()]
+        return JSONResponse({"object": "list", "data": listing(served)})
 
     @app.get("/health")
     async def health() -> Response:
@@ -260,11 +252,25 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
             url = normalize_worker_url(obj.get("url"))  # type: ignore[arg-type]
         except ConfigError as e:
             raise BadRequestError(str(e)) from None
+        names = obj.get("models")
+        if names is not None and (
+            not isinstance(names, list)
+            or not names
+            or not all(isinstance(n, str) and n for n in names)
+        ):
+            raise BadRequestError(
+                "'models' must be a non-empty list of model names (the base model first, "
+                "then its LoRA adapters)"
+            )
         kv_events = obj.get("kv_events")
         if kv_events is not None:
             await add_event_source(url, kv_events)
         existed = url in state.registry.workers
         state.registry.add(url)
+        if names is not None:
+            state.registry.set_models(url, named_models(names), fixed=True)
+        else:
+            await refresh_models(state, url)
         return JSONResponse({"url": url, "added": not existed}, status_code=200 if existed else 201)
 
     async def add_event_source(url: str, kv_events: Any) -> None:

@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvroute.fleet.models import ModelLabels
+
 LATENCY_BUCKETS = (
     0.001,
     0.0025,
@@ -176,6 +178,14 @@ class RouterMetrics:
         self.rejected = Counter(
             "kvroute_rejected", "Requests refused by admission control", ["reason"], registry=r
         )
+        self.model_requests = Counter(
+            "kvroute_model_requests",
+            "Requests routed by the model they ask for ('default' when they name none; "
+            "past 32 names, 'other')",
+            ["model"],
+            registry=r,
+        )
+        self.model_label = ModelLabels(32)
         r.register(_FleetCollector(snapshot))
         # The request path's children (label values -> child).
         self.requests_by = Children(self.requests)
@@ -184,6 +194,7 @@ class RouterMetrics:
         self.decisions_by = Children(self.decisions)
         self.predicted_by = Children(self.predicted_cached)
         self.reported_by = Children(self.reported_cached)
+        self.model_requests_by = Children(self.model_requests)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import time
+from array import array
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -35,9 +36,16 @@ from starlette.types import Receive, Scope, Send
 from kvroute.errors import (
     BadRequestError,
     GatewayTimeoutError,
+    NotFoundError,
     PayloadTooLargeError,
     UnavailableError,
     error_body,
+)
+from kvroute.fleet.models import (
+    generate_adapter,
+    partition_token,
+    request_salt,
+    requested_model,
 )
 from kvroute.fleet.registry import Reservation
 from kvroute.routing.policies.base import NoWorkerError, RouteRequest
@@ -195,10 +203,12 @@ class Forwarder:
         body = await read_body(request, s.settings.max_body_bytes)
         obj = parse_object(body)
         stream = obj.get("stream") is True
+        model = self._model(kind, obj)
         if s.policy.needs_tokens:
             tokens: Sequence[int] = await s.tokenizer.tokens_for(kind, obj)
             if len(tokens) == 0:
                 raise BadRequestError("the prompt is empty")
+            tokens = self._partitioned(kind, obj, model, tokens)
         else:
             s.tokenizer.check(kind, obj)
             tokens = ()
@@ -210,8 +220,10 @@ class Forwarder:
         last_error = "no healthy worker"
         deadline = time.monotonic() + s.settings.request_timeout_secs
         for attempt in range(s.settings.max_retries + 1):
-            loads = s.registry.loads(exclude=tried)
+            loads = s.registry.loads(exclude=tried, model=model)
             if not loads:
+                if model is not None and not tried:
+                    last_error = f"no healthy worker serves model {model!r}"
                 break
             try:
                 decision = s.policy.select(route_req, loads)
@@ -298,6 +310,37 @@ class Forwarder:
             raw.append((b"content-length", str(len(content)).encode()))
             return RawResponse(content, upstream.status_code, raw)
         raise UnavailableError(f"no healthy worker could take the request ({last_error})")
+
+    def _model(self, kind: str, obj: dict[str, Any]) -> str | None:
+        """The model the request asks for, refused with 404 when no worker serves it."""
+        s = self.s
+        try:
+            model = requested_model(kind, obj, s.settings.default_model)
+        except ValueError as e:
+            raise BadRequestError(str(e)) from None
+        if not s.registry.model_routable(model):
+            names = ", ".join(sorted(s.registry.known_models())) or "none"
+            raise NotFoundError(
+                f"the model {model!r} does not exist; available models: {names}",
+                code="model_not_found",
+            )
+        s.metrics.model_requests_by[(s.metrics.model_label(model),)].inc()
+        return model
+
+    def _partitioned(
+        self, kind: str, obj: dict[str, Any], model: str | None, tokens: Sequence[int]
+    ) -> Sequence[int]:
+        """``tokens`` behind the partition token of the request's adapter and cache salt
+        (``kvroute.fleet.models``), or unchanged in the base model's unsalted partition."""
+        adapter = generate_adapter(obj) if kind == "generate" else None
+        if adapter is None and self.s.registry.is_adapter(model):
+            adapter = model
+        token = partition_token(adapter, request_salt(obj))
+        if token is None:
+            return tokens
+        out = array("I", (token,))
+        out.extend(tokens)
+        return out
 
     @staticmethod
     async def _abandon(upstream: httpx.Response | None, res: Reservation) -> None:

@@ -18,6 +18,7 @@ import httpx
 from kvroute._native import PrefixIndex
 from kvroute.config import ConfigError, Settings
 from kvroute.fleet.engine_load import CapacityLearner
+from kvroute.fleet.models import adapter_partition
 from kvroute.fleet.registry import Registry
 from kvroute.routing.policies import Policy, create_policy
 from kvroute.routing.tokenization import PromptTokenizer
@@ -80,6 +81,7 @@ class RouterState:
                 "mode": self.events.mode(w.url) if self.events is not None else "approximate",
                 "capacity": self.worker_capacity(w.url),
                 "external_load": self.others.get(w.url) if self.polls_engine else None,
+                "models": sorted(w.models) if w.models is not None else None,
             }
             for w in self.registry.workers.values()
         ]
@@ -180,7 +182,9 @@ def setup_precise(state: RouterState) -> None:
     unknown = [s.worker for s in sources if s.worker not in state.settings.worker_urls]
     if unknown:
         raise ConfigError(f"--kv-events names workers not in --worker-urls: {unknown}")
-    tracker = EventTracker(BlockIndex())
+    # Blocks of each LoRA adapter in its own partition, as the approximate index keeps
+    # them (the router puts the same partition token before the adapter's requests).
+    tracker = EventTracker(BlockIndex(), partition_of=adapter_partition)
     state.events = tracker
     state.subscriber = KvEventSubscriber(sources, tracker)
     register_kv_event_metrics(state.metrics.registry, tracker, state.subscriber)

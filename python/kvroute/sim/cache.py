@@ -36,6 +36,7 @@ start with its prompt's keys.
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -153,6 +154,15 @@ def block_keys_batch(
     return out
 
 
+def namespace_of(adapter: str | None, salt: str | None) -> int:
+    """The key namespace of requests under LoRA ``adapter`` with ``cache_salt`` ``salt``:
+    0 for the base model unsalted, else a non-zero 64-bit value."""
+    if not adapter and not salt:
+        return 0
+    digest = hashlib.blake2b(f"{adapter or ''}\0{salt or ''}".encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") | 1
+
+
 def block_keys(tokens: Sequence[int] | npt.NDArray[np.uint32], block_size: int) -> list[int]:
     """``block_keys_array`` as a list of Python ints."""
     keys: list[int] = block_keys_array(tokens, block_size).tolist()
@@ -253,16 +263,26 @@ class PrefixCache:
     # ------------------------------------------------------------------ updates
 
     def admit(
-        self, tokens: Sequence[int] | npt.NDArray[np.uint32], output_len: int = 1
+        self,
+        tokens: Sequence[int] | npt.NDArray[np.uint32],
+        output_len: int = 1,
+        namespace: int = 0,
     ) -> tuple[int, Handle]:
         """Start a request: count its cached prefix, store its missing prompt blocks, pin
         them all; the blocks its ``output_len`` generated tokens fill come with ``grow``.
+
+        ``namespace`` (non-zero: a LoRA adapter and/or cache salt, see ``namespace_of``)
+        changes every block's key, as vLLM's extra hash keys do: the same tokens in
+        another namespace share no block.
 
         Returns ``(cached_tokens, handle)``. If not every block fits (everything else
         pinned), as many leading blocks as fit are cached and pinned.
         """
         seq = sequence(tokens, output_len)
-        return self.admit_keys(block_keys(seq, self.block_size), len(tokens), seq)
+        keys = block_keys(seq, self.block_size)
+        if namespace:
+            keys = [k ^ namespace for k in keys]
+        return self.admit_keys(keys, len(tokens), seq)
 
     def admit_keys(
         self,

@@ -71,6 +71,8 @@ class SimConfig:
     # keep a benchmark's client and router from being the bottleneck on long outputs.
     stream_interval: int = 1
     output_blocks: bool = True  # generated tokens take cache blocks (vLLM does)
+    # LoRA adapters served besides ``model`` (listed by /v1/models with ``parent``).
+    lora_adapters: tuple[str, ...] = ()
 
     def validate(self) -> SimConfig:
         if self.time_scale <= 0:
@@ -88,11 +90,14 @@ class SimConfig:
 
 @dataclass(slots=True)
 class Run:
-    """One request's accounting (model seconds)."""
+    """One request's accounting (model seconds). ``namespace``: its cache key namespace
+    (``sim.cache.namespace_of``), ``lora``: (lora_id, name) of its adapter, if any."""
 
     rid: str
     prompt_tokens: int
     output_len: int
+    namespace: int = 0
+    lora: tuple[int, str] | None = None
     cached_tokens: int = 0
     output_tokens: int = 0
     queue_s: float = 0.0
@@ -109,6 +114,7 @@ class SimEngine:
         self.scale = config.time_scale
         self._pending: list[dict[str, Any]] = []
         self.publisher: KVEventPublisher | None = None
+        self._lora: tuple[int, str] | None = None
         if config.kv_events_endpoint:
             self.publisher = KVEventPublisher(
                 config.kv_events_endpoint,
@@ -136,7 +142,9 @@ class SimEngine:
     # ------------------------------------------------------------------ events
 
     def _on_store(self, hashes: list[int], parent: int | None, ids: list[int], bs: int) -> None:
-        self._pending.append(KVEventPublisher.block_stored(hashes, parent, ids, bs))
+        # The adapter of the request whose admit/grow stores these blocks (both run
+        # synchronously, with ``_lora`` set around them).
+        self._pending.append(KVEventPublisher.block_stored(hashes, parent, ids, bs, self._lora))
 
     def _on_remove(self, hashes: list[int]) -> None:
         self._pending.append(KVEventPublisher.block_removed(hashes))
@@ -193,9 +201,11 @@ class SimEngine:
             run.batch = self.running
             t_admit = time.perf_counter()
             run.queue_s = (t_admit - t0) * scale
+            self._lora = run.lora
             run.cached_tokens, handle = cache.admit(
-                tokens, run.output_len if self.config.output_blocks else 1
+                tokens, run.output_len if self.config.output_blocks else 1, run.namespace
             )
+            self._lora = None
             self._flush_events()
             self.prompt_tokens += run.prompt_tokens
             async with self._prefill:
@@ -227,7 +237,9 @@ class SimEngine:
                 out = total if interval <= 0 else min(total, 1 + int(elapsed / interval + 1e-9))
                 run.output_tokens = max(out, run.output_tokens + 1)
                 # The KV of every output token but the newest is computed by now.
+                self._lora = run.lora
                 cache.grow(handle, n + run.output_tokens - 1)
+                self._lora = None
                 self._flush_events()
                 if run.output_tokens >= min(total, sent + step):
                     sent = run.output_tokens

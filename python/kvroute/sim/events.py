@@ -130,7 +130,11 @@ class KVEventPublisher:
 
     @staticmethod
     def block_stored(
-        hashes: list[int], parent: int | None, token_ids: list[int], block_size: int
+        hashes: list[int],
+        parent: int | None,
+        token_ids: list[int],
+        block_size: int,
+        lora: tuple[int, str] | None = None,
     ) -> dict[str, Any]:
         return {
             "type": "BlockStored",
@@ -138,9 +142,9 @@ class KVEventPublisher:
             "parent_block_hash": parent,
             "token_ids": token_ids,
             "block_size": block_size,
-            "lora_id": None,
+            "lora_id": lora[0] if lora else None,
             "medium": "GPU",
-            "lora_name": None,
+            "lora_name": lora[1] if lora else None,
             "group_idx": 0,
             "kv_cache_spec_kind": "full_attention",
         }

@@ -73,7 +73,7 @@ def server_info(c: SimConfig) -> dict[str, Any]:
     }
 
 
-def models(c: SimConfig) -> dict[str, Any]:
+def models(c: SimConfig, adapters: Sequence[str] = ()) -> dict[str, Any]:
     model = {
         "id": c.model,
         "object": "model",
@@ -83,7 +83,19 @@ def models(c: SimConfig) -> dict[str, Any]:
         "parent": None,
         "max_model_len": c.max_model_len,
     }
-    return {"object": "list", "data": [model]}
+    entries: list[dict[str, Any]] = [
+        {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "kvroute-sim",
+            "root": f"/adapters/{name}",
+            "parent": c.model,
+            "max_model_len": c.max_model_len,
+        }
+        for name in adapters
+    ]
+    return {"object": "list", "data": [model, *entries]}
 
 
 def rendered(

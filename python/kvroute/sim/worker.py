@@ -31,15 +31,18 @@ from typing import Any
 from fastapi import FastAPI, Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 
-from kvroute.errors import BadRequestError, RouterError
+from kvroute.errors import BadRequestError, NotFoundError, RouterError
 from kvroute.routing.tokenization import PromptTokenizer
 from kvroute.sim import protocol as P
+from kvroute.sim.cache import namespace_of
 from kvroute.sim.engine import Run, SimConfig, SimEngine
 from kvroute.sim.textcodec import CodepointTokenizer, tokens_to_text
 
 
 def create_app(config: SimConfig) -> FastAPI:
     state: dict[str, Any] = {}
+    # Adapters served now (name -> lora_id), changed by the run-time adapter API.
+    adapters = {name: i + 1 for i, name in enumerate(config.lora_adapters)}
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -87,7 +90,26 @@ def create_app(config: SimConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return P.json_response(P.models(config))
+        return P.json_response(P.models(config, list(adapters)))
+
+    # vLLM's run-time adapter API (VLLM_ALLOW_RUNTIME_LORA_UPDATING=True).
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        name = (await P.read_body(request)).get("lora_name")
+        if not isinstance(name, str) or not name or name == config.model:
+            raise BadRequestError("'lora_name' must name an adapter")
+        if name in adapters:
+            raise BadRequestError(f"The lora adapter '{name}' has already been loaded.")
+        adapters[name] = max(adapters.values(), default=0) + 1
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        name = (await P.read_body(request)).get("lora_name")
+        if name not in adapters:
+            raise NotFoundError(f"The lora adapter '{name}' cannot be found.")
+        del adapters[name]
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     @app.get("/get_load")
     async def get_load() -> Response:
@@ -195,13 +217,33 @@ def create_app(config: SimConfig) -> FastAPI:
 
     # ------------------------------------------------------------ generation
 
+    def _adapter(route: str, body: dict[str, Any]) -> str | None:
+        """The request's LoRA adapter (vLLM: its ``model``; SGLang: ``lora_path``); a
+        model this worker does not serve is refused with vLLM's 404."""
+        if route == "generate":
+            lora = body.get("lora_path")
+            if lora is not None and lora not in adapters:
+                raise NotFoundError(f"The LoRA adapter `{lora}` is not loaded.")
+            return lora if isinstance(lora, str) else None
+        model = body.get("model")
+        if model is None or model == config.model:
+            return None
+        if model not in adapters:
+            raise NotFoundError(f"The model `{model}` does not exist.", code="model_not_found")
+        return str(model)
+
     async def _start(route: str, body: dict[str, Any], out_len: int) -> tuple[Run, Sequence[int]]:
+        adapter = _adapter(route, body)
         ids = await tokenizer().tokens_for(route, body)
         if len(ids) > config.max_model_len:
             raise BadRequestError(
                 f"prompt of {len(ids)} tokens is longer than max_model_len {config.max_model_len}"
             )
-        return Run(uuid.uuid4().hex, len(ids), out_len), ids
+        salt = body.get("cache_salt")
+        run = Run(uuid.uuid4().hex, len(ids), out_len)
+        run.namespace = namespace_of(adapter, salt if isinstance(salt, str) else None)
+        run.lora = (adapters[adapter], adapter) if adapter is not None else None
+        return run, ids
 
     async def _drive(run: Run, ids: Sequence[int]) -> None:
         async with contextlib.aclosing(engine().generate(run, ids, stream=False)) as steps:
