@@ -20,7 +20,9 @@ class TieBreaker:
     def __init__(self) -> None:
         self._turn = 0
 
-    def least_loaded(self, loads: Mapping[str, int], among: Iterable[str] | None = None) -> str:
+    def least_loaded(
+        self, loads: Mapping[str, int] | Mapping[str, float], among: Iterable[str] | None = None
+    ) -> str:
         candidates = list(loads) if among is None else [w for w in among if w in loads]
         if not candidates:
             raise NoWorkerError("no healthy worker")

@@ -1,0 +1,338 @@
+"""Load in units of work: what each worker still has to do, how fast it does it, and the
+time to first token (TTFT) a request would see there.
+
+One ``LoadModel`` per router process (and per simulated router replica: the fleet
+simulator runs this same code in virtual time). Every time argument is a caller's clock
+in seconds (``time.monotonic()`` in ``serve``, virtual time in ``kvroute.sim.fleet``).
+
+What is counted, per worker
+    * **prefill work**: the *uncached* prompt tokens of every request routed there whose
+      first byte has not come back yet, as predicted from the index match at decision
+      time (``reserve``). Released when the first byte arrives (``Ticket.first_byte``).
+    * **decode work**: the requests in flight and their expected output tokens
+      (``max_tokens`` / ``max_completion_tokens`` / ``max_new_tokens`` when the request
+      sets one, else a running mean of observed outputs). Released when the request ends
+      (``Ticket.end``; which also releases the prefill part if no byte ever came back).
+    Both are released exactly once whatever ends the request, like the registry's
+    ``Reservation``; ``serve`` chains the ticket's ``end`` to that reservation's release.
+    * **what other routers and bypassing clients put there**, from the engines' own
+      readings (``observe_engine``: vLLM ``num_requests_running/waiting`` and
+      ``kv_cache_usage_perc``, SGLang's running/queued counts): requests beyond ours
+      count for the slot term below, and waiting ones beyond ours count as that many
+      requests of the mean uncached size of ours.
+
+Learned speed, per worker (so a heterogeneous fleet is told apart)
+    * prefill tokens/s: at each first byte, ``work / elapsed`` where ``work`` is the
+      prefill work that was ahead of the request when it was routed plus its own uncached
+      tokens, and ``elapsed`` the time from decision to first byte. Only samples with at
+      least ``MIN_LEARN_TOKENS`` of work, taken while the worker had a free slot, are
+      kept (a slot wait says nothing about prefill speed).
+    * decode seconds per token: at each end with a known output length,
+      ``(end - first byte) / (output tokens - 1)``.
+    Each is the median of the last ``WINDOW`` samples (bounded memory; the median shrugs
+    off the outliers a shared machine, a slot wait or a cache surprise produce). Before
+    ``MIN_SAMPLES`` samples the prior is used: ``PRIOR_PREFILL_TPS`` (the simulator's
+    default worker, an 8B model on one H100) and ``PRIOR_DECODE_S``. A worker that leaves
+    forgets what was learned (it may come back as other hardware).
+
+The prediction (``ttft``), for a request with ``uncached`` tokens on worker ``w``::
+
+    ahead   = prefill work queued on w (the oldest one counted half: it is probably
+              being prefilled, half done on average) + others' waiting work
+    ttft    = (ahead + uncached) / prefill_rate(w) + slot_wait(w)
+    slot_wait = 0 while w has a free slot (requests in flight, ours + others, below its
+              capacity: ``--worker-capacity`` or learned from the engines); else the
+              request waits for (n - capacity + 1) of ``capacity`` slots to free, each
+              held for about half an expected output's decode time:
+              (n - capacity + 1) / capacity * mean_expected_output / 2 * decode_s(w)
+    A worker whose engine reports its KV cache >= ``KV_FULL`` full is treated as having
+    no free slot (the engine cannot admit more), with its running count as capacity.
+
+Prefill engines run one prompt at a time in arrival order (vLLM and SGLang schedule
+waiting prompts FIFO), so work ahead adds up; decode running beside prefill slows it,
+which the learned rate absorbs at the load it was measured under. Per-request overhead
+(scheduling, HTTP) is not modelled apart: it is folded into the learned rate.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Any
+
+PRIOR_PREFILL_TPS = 15_000.0
+PRIOR_DECODE_S = 0.020
+PRIOR_OUTPUT_TOKENS = 256.0
+WINDOW = 64
+MIN_SAMPLES = 3
+MIN_LEARN_TOKENS = 128
+KV_FULL = 0.95
+OUTPUT_EWMA = 0.05  # weight of one observed output length in the running mean
+
+
+class MedianEstimator:
+    """Median of the last ``window`` samples; ``prior`` until ``min_samples`` came."""
+
+    __slots__ = ("_samples", "_value", "min_samples", "prior")
+
+    def __init__(self, prior: float, window: int = WINDOW, min_samples: int = MIN_SAMPLES) -> None:
+        self.prior = prior
+        self.min_samples = min_samples
+        self._samples: deque[float] = deque(maxlen=window)
+        self._value = prior
+
+    def observe(self, x: float) -> None:
+        if x > 0 and x == x and x != float("inf"):
+            self._samples.append(x)
+            if len(self._samples) >= self.min_samples:
+                self._value = median(self._samples)
+
+    @property
+    def value(self) -> float:
+        return self._value
+
+    @property
+    def samples(self) -> int:
+        return len(self._samples)
+
+
+@dataclass(slots=True)
+class EngineReading:
+    """A worker's engine as last read from its /metrics, and our own count then."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float | None = None
+    own: int = 0  # our requests in flight at the reading
+    own_pending: int = 0  # ours without a first byte yet
+
+
+@dataclass(slots=True, eq=False)
+class WorkerWork:
+    """One worker's outstanding work and learned speed."""
+
+    prefill_tokens: int = 0
+    requests: int = 0
+    decode_tokens: int = 0  # expected output tokens of the requests in flight
+    pending: dict[int, int] = field(default_factory=dict)  # ticket id -> uncached tokens
+    prefill_tps: MedianEstimator = field(default_factory=lambda: MedianEstimator(PRIOR_PREFILL_TPS))
+    decode_s: MedianEstimator = field(default_factory=lambda: MedianEstimator(PRIOR_DECODE_S))
+    engine: EngineReading | None = None
+
+
+class Ticket:
+    """The work one routed request reserved; ``first_byte`` and ``end`` act once each."""
+
+    __slots__ = (
+        "_model",
+        "ahead",
+        "closed",
+        "expected_out",
+        "first_at",
+        "free_slot",
+        "id",
+        "predicted",
+        "started",
+        "state",
+        "uncached",
+        "worker",
+    )
+
+    def __init__(
+        self,
+        model: LoadModel,
+        tid: int,
+        worker: str,
+        state: WorkerWork,
+        uncached: int,
+        expected_out: int,
+        now: float,
+    ) -> None:
+        self._model = model
+        self.id = tid
+        self.worker = worker
+        self.state = state
+        self.uncached = uncached
+        self.expected_out = expected_out
+        self.started = now
+        self.ahead = model.ahead(worker)
+        self.free_slot = model.slot_wait(worker) == 0.0
+        self.predicted = model.ttft(worker, uncached)
+        self.first_at: float | None = None
+        self.closed = False
+
+    def first_byte(self, now: float, *, learn: bool = True) -> None:
+        """The first byte came back: the prefill part is done (once; later calls and
+        calls after ``end`` do nothing). ``learn``: the time measures the prefill (a
+        streamed first chunk), not a whole answer."""
+        if self.first_at is not None or self.closed:
+            return
+        self.first_at = now
+        st = self.state
+        if st.pending.pop(self.id, None) is not None:
+            st.prefill_tokens -= self.uncached
+        elapsed = now - self.started
+        if learn:
+            work = self.ahead + self.uncached
+            if self.free_slot and work >= MIN_LEARN_TOKENS and elapsed > 0:
+                st.prefill_tps.observe(work / elapsed)
+            if self._model.on_observe is not None:
+                self._model.on_observe(self.worker, self.predicted, elapsed)
+
+    def end(self, now: float, output_tokens: int | None = None) -> None:
+        """The request ended, however (once; releases what is still reserved).
+        ``output_tokens``: how many it generated, when known (learns decode speed)."""
+        if self.closed:
+            return
+        self.closed = True
+        st = self.state
+        if st.pending.pop(self.id, None) is not None:
+            st.prefill_tokens -= self.uncached
+        st.requests -= 1
+        st.decode_tokens -= self.expected_out
+        if output_tokens is not None and output_tokens > 0:
+            self._model.observe_output(output_tokens)
+            if self.first_at is not None and output_tokens > 1:
+                st.decode_s.observe((now - self.first_at) / (output_tokens - 1))
+
+
+class LoadModel:
+    """Per-worker work and learned speed; see the module docstring."""
+
+    def __init__(self) -> None:
+        self.workers: dict[str, WorkerWork] = {}
+        # Shared with the saturation guard: fixed capacity, learned capacities, and the
+        # requests engines hold beyond ours (``kvroute.fleet.engine_load``).
+        self.fixed_capacity: int | None = None
+        self.capacities: Mapping[str, int] = {}
+        self.others: Mapping[str, int] = {}
+        self.mean_output = PRIOR_OUTPUT_TOKENS
+        self.mean_uncached = 0.0
+        # Called with (worker, predicted TTFT, observed TTFT) at each learned first byte.
+        self.on_observe: Callable[[str, float, float], None] | None = None
+        self._ids = 0
+
+    # ----------------------------------------------------------------- bookkeeping
+
+    def state(self, worker: str) -> WorkerWork:
+        st = self.workers.get(worker)
+        if st is None:
+            st = self.workers[worker] = WorkerWork()
+        return st
+
+    def add_worker(self, worker: str) -> None:
+        self.state(worker)
+
+    def remove_worker(self, worker: str) -> None:
+        """Forget ``worker``'s learned speed and engine reading; tickets still open on it
+        keep releasing into the old record (so nothing goes negative)."""
+        self.workers.pop(worker, None)
+
+    def expected_output(self, max_tokens: int | None) -> int:
+        if max_tokens is not None and max_tokens > 0:
+            return max_tokens
+        return max(1, round(self.mean_output))
+
+    def observe_output(self, tokens: int) -> None:
+        self.mean_output += OUTPUT_EWMA * (tokens - self.mean_output)
+
+    def reserve(self, worker: str, uncached: int, expected_out: int, now: float) -> Ticket:
+        """Reserve a routed request's work on ``worker`` (at decision time)."""
+        st = self.state(worker)
+        uncached = max(0, uncached)
+        self._ids += 1
+        t = Ticket(self, self._ids, worker, st, uncached, expected_out, now)
+        st.pending[t.id] = uncached
+        st.prefill_tokens += uncached
+        st.requests += 1
+        st.decode_tokens += expected_out
+        self.mean_uncached += OUTPUT_EWMA * (uncached - self.mean_uncached)
+        return t
+
+    def observe_engine(
+        self, worker: str, running: int, waiting: int, kv_usage: float | None = None
+    ) -> None:
+        """An engine's own reading (after a health check in ``serve``, a poll in the sim)."""
+        st = self.state(worker)
+        st.engine = EngineReading(running, waiting, kv_usage, st.requests, len(st.pending))
+
+    # ----------------------------------------------------------------- prediction
+
+    def prefill_rate(self, worker: str) -> float:
+        st = self.workers.get(worker)
+        return st.prefill_tps.value if st is not None else PRIOR_PREFILL_TPS
+
+    def ahead(self, worker: str) -> float:
+        """Prefill tokens a request routed now would wait behind (see module doc)."""
+        st = self.workers.get(worker)
+        if st is None:
+            return 0.0
+        work = float(st.prefill_tokens)
+        if st.pending:
+            work -= next(iter(st.pending.values())) / 2
+        e = st.engine
+        if e is not None and e.waiting > e.own_pending:
+            work += (e.waiting - e.own_pending) * self.mean_uncached
+        return work
+
+    def _capacity(self, worker: str, st: WorkerWork) -> int | None:
+        e = st.engine
+        if e is not None and e.kv_usage is not None and e.kv_usage >= KV_FULL and e.running:
+            return e.running
+        cap = self.fixed_capacity
+        return cap if cap is not None else self.capacities.get(worker)
+
+    def slot_wait(self, worker: str) -> float:
+        """Seconds a request routed now would wait for a free slot (decode interference)."""
+        st = self.workers.get(worker)
+        if st is None:
+            return 0.0
+        cap = self._capacity(worker, st)
+        if cap is None or cap < 1:
+            return 0.0
+        n = st.requests + self.others.get(worker, 0)
+        if n < cap:
+            return 0.0
+        mean_out = st.decode_tokens / st.requests if st.requests else self.mean_output
+        return (n - cap + 1) / cap * (mean_out / 2) * st.decode_s.value
+
+    def wait(self, worker: str) -> float:
+        """Predicted seconds before a request routed now starts its own prefill."""
+        return self.ahead(worker) / self.prefill_rate(worker) + self.slot_wait(worker)
+
+    def ttft(self, worker: str, uncached: int) -> float:
+        """Predicted time to first token of a request with ``uncached`` tokens there."""
+        rate = self.prefill_rate(worker)
+        return (self.ahead(worker) + max(0, uncached)) / rate + self.slot_wait(worker)
+
+    # ----------------------------------------------------------------- reading
+
+    def snapshot(self, worker: str) -> dict[str, Any]:
+        st = self.workers.get(worker) or WorkerWork()
+        return {
+            "prefill_tokens_queued": st.prefill_tokens,
+            "requests": st.requests,
+            "decode_tokens": st.decode_tokens,
+            "predicted_wait_s": round(self.wait(worker), 6),
+            "prefill_tokens_per_s": round(st.prefill_tps.value, 1),
+            "prefill_samples": st.prefill_tps.samples,
+            "decode_ms_per_token": round(st.decode_s.value * 1000, 3),
+            "decode_samples": st.decode_s.samples,
+        }
+
+
+def max_tokens_of(body: Mapping[str, Any]) -> int | None:
+    """The output cap a request body sets (OpenAI ``max_completion_tokens`` /
+    ``max_tokens``, SGLang ``sampling_params.max_new_tokens``), or None."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        v = body.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    sp = body.get("sampling_params")
+    if isinstance(sp, Mapping):
+        v = sp.get("max_new_tokens")
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
