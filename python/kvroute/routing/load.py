@@ -56,6 +56,7 @@ which the learned rate absorbs at the load it was measured under. Per-request ov
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -67,9 +68,65 @@ PRIOR_DECODE_S = 0.020
 PRIOR_OUTPUT_TOKENS = 256.0
 WINDOW = 64
 MIN_SAMPLES = 3
-MIN_LEARN_TOKENS = 128
 KV_FULL = 0.95
 OUTPUT_EWMA = 0.05  # weight of one observed output length in the running mean
+
+
+class ResistantLine:
+    """``y = intercept + slope * x`` fitted robustly to the last ``window`` samples: sorted
+    by ``x``, sample ``i`` is paired with sample ``i + n/2`` (a Theil-Sen estimator on
+    n/2 pairs); the slope is the median of the pairs' slopes, the intercept the median
+    residual. A few wild samples (a stall, a slot wait) move neither. Pairs whose ``x``
+    are less than 1.5x apart are skipped; while fewer than ``min_samples`` pairs remain
+    (the ``x`` seen are too alike to tell slope from intercept) the slope is kept (prior
+    or last fit) and only the intercept is fitted, unless it would go negative by more
+    than rounding (then a line through the origin). Before ``min_samples`` samples: the
+    priors. Refitted at each sample, O(window log window)."""
+
+    __slots__ = ("_xs", "_ys", "intercept", "min_samples", "slope")
+
+    def __init__(
+        self,
+        slope: float,
+        intercept: float = 0.0,
+        window: int = WINDOW,
+        min_samples: int = MIN_SAMPLES,
+    ) -> None:
+        self.slope = slope
+        self.intercept = intercept
+        self.min_samples = min_samples
+        self._xs: deque[float] = deque(maxlen=window)
+        self._ys: deque[float] = deque(maxlen=window)
+
+    def observe(self, x: float, y: float) -> None:
+        if not (x > 0 and y > 0 and math.isfinite(x) and math.isfinite(y)):
+            return
+        self._xs.append(x)
+        self._ys.append(y)
+        n = len(self._xs)
+        if n < self.min_samples:
+            return
+        pts = sorted(zip(self._xs, self._ys, strict=True))
+        half = n // 2
+        slopes = [
+            (y2 - y1) / (x2 - x1)
+            for (x1, y1), (x2, y2) in zip(pts[:half], pts[half:], strict=False)
+            if x2 > 1.5 * x1
+        ]
+        slope = self.slope
+        if len(slopes) >= self.min_samples:
+            fit = median(slopes)
+            if fit > 0:
+                slope = fit
+        intercept = median(y - slope * x for x, y in pts)
+        if intercept < -1e-6:  # the slope is too steep for what is seen: through the origin
+            slope = median(y / x for x, y in pts)
+        intercept = max(0.0, intercept)
+        self.slope, self.intercept = slope, intercept
+
+    @property
+    def samples(self) -> int:
+        return len(self._xs)
 
 
 class MedianEstimator:
@@ -117,7 +174,8 @@ class WorkerWork:
     requests: int = 0
     decode_tokens: int = 0  # expected output tokens of the requests in flight
     pending: dict[int, int] = field(default_factory=dict)  # ticket id -> uncached tokens
-    prefill_tps: MedianEstimator = field(default_factory=lambda: MedianEstimator(PRIOR_PREFILL_TPS))
+    # Seconds to first byte = intercept (per-request overhead) + slope * prefill tokens.
+    prefill: ResistantLine = field(default_factory=lambda: ResistantLine(1 / PRIOR_PREFILL_TPS))
     decode_s: MedianEstimator = field(default_factory=lambda: MedianEstimator(PRIOR_DECODE_S))
     engine: EngineReading | None = None
 
@@ -128,10 +186,10 @@ class Ticket:
     __slots__ = (
         "_model",
         "ahead",
+        "alone",
         "closed",
         "expected_out",
         "first_at",
-        "free_slot",
         "id",
         "predicted",
         "started",
@@ -158,7 +216,11 @@ class Ticket:
         self.expected_out = expected_out
         self.started = now
         self.ahead = model.ahead(worker)
-        self.free_slot = model.slot_wait(worker) == 0.0
+        # Nothing ahead of it and a free slot: its first byte times its own prefill.
+        self.alone = not state.pending and model.slot_wait(worker) == 0.0
+        e = state.engine
+        if e is not None and e.waiting > e.own_pending:
+            self.alone = False
         self.predicted = model.ttft(worker, uncached)
         self.first_at: float | None = None
         self.closed = False
@@ -175,9 +237,8 @@ class Ticket:
             st.prefill_tokens -= self.uncached
         elapsed = now - self.started
         if learn:
-            work = self.ahead + self.uncached
-            if self.free_slot and work >= MIN_LEARN_TOKENS and elapsed > 0:
-                st.prefill_tps.observe(work / elapsed)
+            if self.alone:
+                st.prefill.observe(self.uncached, elapsed)
             if self._model.on_observe is not None:
                 self._model.on_observe(self.worker, self.predicted, elapsed)
 
@@ -261,21 +322,27 @@ class LoadModel:
     # ----------------------------------------------------------------- prediction
 
     def prefill_rate(self, worker: str) -> float:
+        """Learned prefill tokens/s of ``worker`` (the prior for an unknown one)."""
         st = self.workers.get(worker)
-        return st.prefill_tps.value if st is not None else PRIOR_PREFILL_TPS
+        return 1 / st.prefill.slope if st is not None else PRIOR_PREFILL_TPS
 
     def ahead(self, worker: str) -> float:
-        """Prefill tokens a request routed now would wait behind (see module doc)."""
+        """Seconds of prefill a request routed now would wait behind (module doc)."""
         st = self.workers.get(worker)
         if st is None:
             return 0.0
+        line = st.prefill
         work = float(st.prefill_tokens)
-        if st.pending:
+        count = float(len(st.pending))
+        if st.pending:  # the oldest is probably being prefilled: half done
             work -= next(iter(st.pending.values())) / 2
+            count -= 0.5
         e = st.engine
         if e is not None and e.waiting > e.own_pending:
-            work += (e.waiting - e.own_pending) * self.mean_uncached
-        return work
+            others = e.waiting - e.own_pending
+            work += others * self.mean_uncached
+            count += others
+        return count * line.intercept + work * line.slope
 
     def _capacity(self, worker: str, st: WorkerWork) -> int | None:
         e = st.engine
@@ -296,16 +363,20 @@ class LoadModel:
         if n < cap:
             return 0.0
         mean_out = st.decode_tokens / st.requests if st.requests else self.mean_output
-        return (n - cap + 1) / cap * (mean_out / 2) * st.decode_s.value
+        return (n - cap + 1) / (cap + 1) * mean_out * st.decode_s.value
 
     def wait(self, worker: str) -> float:
         """Predicted seconds before a request routed now starts its own prefill."""
-        return self.ahead(worker) / self.prefill_rate(worker) + self.slot_wait(worker)
+        return self.ahead(worker) + self.slot_wait(worker)
 
     def ttft(self, worker: str, uncached: int) -> float:
         """Predicted time to first token of a request with ``uncached`` tokens there."""
-        rate = self.prefill_rate(worker)
-        return (self.ahead(worker) + max(0, uncached)) / rate + self.slot_wait(worker)
+        st = self.workers.get(worker)
+        if st is None:
+            return max(0, uncached) / PRIOR_PREFILL_TPS
+        line = st.prefill
+        own = line.intercept + max(0, uncached) * line.slope
+        return self.ahead(worker) + own + self.slot_wait(worker)
 
     # ----------------------------------------------------------------- reading
 
@@ -316,8 +387,9 @@ class LoadModel:
             "requests": st.requests,
             "decode_tokens": st.decode_tokens,
             "predicted_wait_s": round(self.wait(worker), 6),
-            "prefill_tokens_per_s": round(st.prefill_tps.value, 1),
-            "prefill_samples": st.prefill_tps.samples,
+            "prefill_tokens_per_s": round(1 / st.prefill.slope, 1),
+            "prefill_overhead_ms": round(st.prefill.intercept * 1000, 3),
+            "prefill_samples": st.prefill.samples,
             "decode_ms_per_token": round(st.decode_s.value * 1000, 3),
             "decode_samples": st.decode_s.samples,
         }

@@ -30,3 +30,15 @@ class TieBreaker:
         tied = [w for w in candidates if loads[w] == best]
         self._turn += 1
         return tied[self._turn % len(tied)]
+
+    def least_by(
+        self, scores: Mapping[str, float], loads: Mapping[str, int], tie_s: float = 1e-9
+    ) -> str:
+        """The worker of lowest score (a predicted time); among scores within ``tie_s``
+        of the best, the fewest requests in flight (their decode will compete for
+        slots later), then rotation."""
+        if not scores:
+            raise NoWorkerError("no healthy worker")
+        best = min(scores.values())
+        tied = {w: loads.get(w, 0) for w, t in scores.items() if t - best <= tie_s}
+        return self.least_loaded(tied)

@@ -42,8 +42,9 @@ with the least predicted time to first token for this request (``kvroute.routing
 queued prefill tokens and this request's uncached tokens there over the worker's learned
 prefill rate, plus the wait for a slot), so a worker with one 100k-token prompt queued
 is no longer "as loaded" as one with a 200-token prompt, and a slow worker is seen as
-slow. The saturation guard fires on the same count test, and then moves the request only
-to a worker predicted to answer sooner than the full holder. Exact ties still rotate.
+slow; equal predictions go to the fewer requests in flight, then rotate. The saturation
+guard fires on the same count test, and then moves the request only to a worker
+predicted to answer sooner than the full holder.
 
 Corrections to SGLang's version: min/max over healthy workers only; ties between
 equally good workers go to the least loaded and then rotate (no "first worker wins",
@@ -193,7 +194,7 @@ class CacheAware(Policy):
             return self._ties.least_loaded(loads, among)
         candidates = list(loads) if among is None else [w for w in among if w in loads]
         ttft = {w: work.ttft(w, n - matches.get(w, 0)) for w in candidates}
-        return self._ties.least_loaded(ttft, candidates)  # type: ignore[arg-type]
+        return self._ties.least_by(ttft, loads)
 
     def _sooner(self, alt: str, holder: str, n: int, matches: dict[str, int] | None) -> bool:
         """Guard: does moving off the full ``holder`` to ``alt`` pay? (always, on counts)"""

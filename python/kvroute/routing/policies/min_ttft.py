@@ -14,7 +14,8 @@ counts: a 100,000-token prompt weighs what it costs, and a slower worker (learne
 gets proportionally less work.
 
 Ties (equal predictions, e.g. an idle fleet on the prior rate): the longer match, then
-rotation (never "first worker wins"). ``temperature`` > 0 (``--router-temperature``,
+the fewer requests in flight (their decode will compete for slots later), then rotation
+(never "first worker wins"). ``temperature`` > 0 (``--router-temperature``,
 seconds): sample a worker with probability proportional to exp(-(ttft - best) / T)
 instead, which spreads a burst that arrives between two load updates; 0 (default) is
 deterministic.
@@ -35,6 +36,7 @@ from collections.abc import Mapping, Sequence
 
 from kvroute._native import PrefixIndex
 from kvroute.routing.load import LoadModel
+from kvroute.routing.policies._common import TieBreaker
 from kvroute.routing.policies.base import Decision, NoWorkerError, Policy, Reason, RouteRequest
 
 # Predictions closer than this (seconds) are a tie.
@@ -53,7 +55,7 @@ class MinTtft(Policy):
         self.temperature = temperature
         self.work = LoadModel()  # the caller shares its own (state / simulator)
         self._rng = random.Random(seed)
-        self._turn = 0
+        self._ties = TieBreaker()
 
     def select(self, request: RouteRequest, loads: Mapping[str, int]) -> Decision:
         if not loads:
@@ -66,10 +68,10 @@ class MinTtft(Policy):
         if self.temperature > 0 and len(scored) > 1:
             worker = self._sample(scored)
         else:
-            best_t, best_m, _ = min(scored, key=lambda s: (s[0], s[1]))
-            tied = [w for t, m, w in scored if t - best_t <= TIE_S and m == best_m]
-            self._turn += 1
-            worker = tied[self._turn % len(tied)]
+            best_t = min(s[0] for s in scored)
+            near = [s for s in scored if s[0] - best_t <= TIE_S]
+            best_m = min(s[1] for s in near)
+            worker = self._ties.least_loaded({w: loads[w] for _, m, w in near if m == best_m})
         matched = matches.get(worker, 0)
         longest = max(matches.values(), default=0) if matches else 0
         reason: Reason
