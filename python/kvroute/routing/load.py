@@ -191,6 +191,7 @@ class Ticket:
         "expected_out",
         "first_at",
         "id",
+        "output_tokens",
         "predicted",
         "started",
         "state",
@@ -224,6 +225,8 @@ class Ticket:
         self.predicted = model.ttft(worker, uncached)
         self.first_at: float | None = None
         self.closed = False
+        # Set by whoever reads the answer's usage (completion_tokens), for ``end``.
+        self.output_tokens: int | None = None
 
     def first_byte(self, now: float, *, learn: bool = True) -> None:
         """The first byte came back: the prefill part is done (once; later calls and
@@ -248,6 +251,8 @@ class Ticket:
         if self.closed:
             return
         self.closed = True
+        if output_tokens is None:
+            output_tokens = self.output_tokens
         st = self.state
         if st.pending.pop(self.id, None) is not None:
             st.prefill_tokens -= self.uncached

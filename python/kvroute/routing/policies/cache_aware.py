@@ -88,6 +88,8 @@ class CacheAware(Policy):
         self.load_metric = load_metric
         # The work model (shared with the caller, who reserves into it); requests: unused.
         self.work: LoadModel | None = LoadModel() if load_metric == "work" else None
+        if self.work is not None:
+            self.work.fixed_capacity = worker_capacity
         self.cache_threshold = cache_threshold
         self.balance_abs = balance_abs_threshold
         self.balance_rel = balance_rel_threshold
