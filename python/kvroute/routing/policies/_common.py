@@ -6,6 +6,17 @@ from collections.abc import Iterable, Mapping
 
 from kvroute.routing.policies.base import NoWorkerError
 
+# Predicted times closer than this are a tie: the model is not that precise, and a
+# few-token partial match (``"group 1..."`` vs ``"group 2..."``) must not send every
+# new prefix to the same worker.
+TIE_ABS_S = 0.001
+TIE_REL = 0.02
+
+
+def tie_window(best: float) -> float:
+    """How far above the best predicted time a worker still ties with it."""
+    return max(TIE_ABS_S, TIE_REL * best)
+
 
 class TieBreaker:
     """Least-loaded choice whose ties rotate instead of always naming the first worker.
@@ -31,14 +42,13 @@ class TieBreaker:
         self._turn += 1
         return tied[self._turn % len(tied)]
 
-    def least_by(
-        self, scores: Mapping[str, float], loads: Mapping[str, int], tie_s: float = 1e-9
-    ) -> str:
-        """The worker of lowest score (a predicted time); among scores within ``tie_s``
-        of the best, the fewest requests in flight (their decode will compete for
-        slots later), then rotation."""
+    def least_by(self, scores: Mapping[str, float], loads: Mapping[str, int]) -> str:
+        """The worker of lowest score (a predicted time); among scores within the tie
+        window of the best (``tie_window``), the fewest requests in flight (their
+        decode will compete for slots later), then rotation."""
         if not scores:
             raise NoWorkerError("no healthy worker")
         best = min(scores.values())
-        tied = {w: loads.get(w, 0) for w, t in scores.items() if t - best <= tie_s}
+        tie = tie_window(best)
+        tied = {w: loads.get(w, 0) for w, t in scores.items() if t - best <= tie}
         return self.least_loaded(tied)

@@ -13,12 +13,15 @@ a faster or idler worker wins and starts to hold the prefix too. Nothing compare
 counts: a 100,000-token prompt weighs what it costs, and a slower worker (learned rate)
 gets proportionally less work.
 
-Ties (equal predictions, e.g. an idle fleet on the prior rate): the longer match, then
-the fewer requests in flight (their decode will compete for slots later), then rotation
-(never "first worker wins"). ``temperature`` > 0 (``--router-temperature``,
-seconds): sample a worker with probability proportional to exp(-(ttft - best) / T)
-instead, which spreads a burst that arrives between two load updates; 0 (default) is
-deterministic.
+Ties (predictions within 1 ms or 2% of the best: the model is not more precise than
+that): the longer match, when it saves more than that window of prefill time (a
+few-token partial match such as a shared "Group " before different prompts must not
+send every new prefix to one worker), then the fewer requests in flight (their decode
+will compete for slots later), then rotation (never "first worker wins").
+
+``temperature`` > 0 (``--router-temperature``, seconds): sample a worker with
+probability proportional to exp(-(ttft - best) / T) instead, which spreads a burst that
+arrives between two load updates; 0 (default) is deterministic.
 
 The request's tokens are inserted into the index for the chosen worker (as cache_aware
 does); the caller reserves the predicted work (``LoadModel.reserve``) in the same step,
@@ -36,11 +39,8 @@ from collections.abc import Mapping, Sequence
 
 from kvroute._native import PrefixIndex
 from kvroute.routing.load import LoadModel
-from kvroute.routing.policies._common import TieBreaker
+from kvroute.routing.policies._common import TieBreaker, tie_window
 from kvroute.routing.policies.base import Decision, NoWorkerError, Policy, Reason, RouteRequest
-
-# Predictions closer than this (seconds) are a tie.
-TIE_S = 1e-9
 
 
 class MinTtft(Policy):
@@ -69,9 +69,15 @@ class MinTtft(Policy):
             worker = self._sample(scored)
         else:
             best_t = min(s[0] for s in scored)
-            near = [s for s in scored if s[0] - best_t <= TIE_S]
-            best_m = min(s[1] for s in near)
-            worker = self._ties.least_loaded({w: loads[w] for _, m, w in near if m == best_m})
+            tie = tie_window(best_t)
+            near = [s for s in scored if s[0] - best_t <= tie]
+            # Prefill time each near worker's match saves; a longer match wins only
+            # by more than the tie window.
+            saved = {w: -m / work.prefill_rate(w) for _, m, w in near}
+            most = max(saved.values())
+            worker = self._ties.least_loaded(
+                {w: loads[w] for w, s in saved.items() if most - s <= tie}
+            )
         matched = matches.get(worker, 0)
         longest = max(matches.values(), default=0) if matches else 0
         reason: Reason
