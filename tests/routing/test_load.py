@@ -131,7 +131,22 @@ def test_prefill_is_learned_only_from_requests_that_ran_alone() -> None:
     second = m.reserve("w", 5000, 10, now=0.0)  # queued behind the first
     first.first_byte(1.0)
     second.first_byte(2.0)
+    first.end(3.0)
+    second.end(3.0)
     assert m.workers["w"].prefill.samples == 1
+
+
+def test_prefill_is_learned_from_what_the_engine_reports_it_had_cached() -> None:
+    """The index predicted all but 100 tokens cached but the engine had evicted them:
+    the samples count the tokens really prefilled, so the worker is not seen as slow."""
+    m = LoadModel()
+    for i in range(12):
+        real = 2000 + 500 * i
+        t = m.reserve("w", 100, 10, now=10.0 * i)
+        t.first_byte(10.0 * i + real / 10_000)
+        t.reported_uncached = real
+        t.end(10.0 * i + 1)
+    assert m.prefill_rate("w") == pytest.approx(10_000, rel=0.01)
 
 
 def test_max_tokens_of_request_bodies() -> None:

@@ -22,36 +22,43 @@ What is counted, per worker
       requests of the mean uncached size of ours.
 
 Learned speed, per worker (so a heterogeneous fleet is told apart)
-    * prefill tokens/s: at each first byte, ``work / elapsed`` where ``work`` is the
-      prefill work that was ahead of the request when it was routed plus its own uncached
-      tokens, and ``elapsed`` the time from decision to first byte. Only samples with at
-      least ``MIN_LEARN_TOKENS`` of work, taken while the worker had a free slot, are
-      kept (a slot wait says nothing about prefill speed).
+    * prefill: time to first byte = ``overhead + uncached tokens / rate``, a line fitted
+      to (uncached tokens, seconds from decision to first byte) samples
+      (``ResistantLine``: a Theil-Sen slope on paired samples, the median residual as
+      overhead; bounded window of ``WINDOW`` samples). Only requests that had nothing
+      queued ahead of them and a free slot when routed give a sample (their first byte
+      times their own prefill, nothing else). The sample is taken at the request's end,
+      when the engine may have reported what it really had cached (``usage``
+      ``prompt_tokens`` - ``cached_tokens``, in the router's token units): the index's
+      guess is used only when it did not, so an evicted prefix the index still believed
+      in does not pass for a slow worker.
     * decode seconds per token: at each end with a known output length,
-      ``(end - first byte) / (output tokens - 1)``.
-    Each is the median of the last ``WINDOW`` samples (bounded memory; the median shrugs
-    off the outliers a shared machine, a slot wait or a cache surprise produce). Before
-    ``MIN_SAMPLES`` samples the prior is used: ``PRIOR_PREFILL_TPS`` (the simulator's
-    default worker, an 8B model on one H100) and ``PRIOR_DECODE_S``. A worker that leaves
-    forgets what was learned (it may come back as other hardware).
+      ``(end - first byte) / (output tokens - 1)``, the median of the last ``WINDOW``.
+    Before ``MIN_SAMPLES`` samples the priors hold: ``PRIOR_PREFILL_TPS`` (the
+    simulator's default worker, an 8B model on one H100), no overhead, ``PRIOR_DECODE_S``.
+    Medians shrug off the outliers a shared machine or a stall produce. A worker that
+    leaves (or goes down) forgets what was learned (it may come back as other hardware).
 
 The prediction (``ttft``), for a request with ``uncached`` tokens on worker ``w``::
 
-    ahead   = prefill work queued on w (the oldest one counted half: it is probably
-              being prefilled, half done on average) + others' waiting work
-    ttft    = (ahead + uncached) / prefill_rate(w) + slot_wait(w)
+    ahead   = prefill queued on w, in seconds: its requests' overheads and uncached
+              tokens over the learned line (the oldest counted half: it is probably
+              being prefilled, half done on average) + others' waiting requests, each
+              of the mean uncached size of ours
+    ttft    = ahead + overhead(w) + uncached / rate(w) + slot_wait(w)
     slot_wait = 0 while w has a free slot (requests in flight, ours + others, below its
               capacity: ``--worker-capacity`` or learned from the engines); else the
               request waits for (n - capacity + 1) of ``capacity`` slots to free, each
-              held for about half an expected output's decode time:
-              (n - capacity + 1) / capacity * mean_expected_output / 2 * decode_s(w)
+              after a uniformly spread remaining decode time (the k-th of ``capacity``
+              running requests ends after k / (capacity + 1) of a whole decode):
+              (n - capacity + 1) / (capacity + 1) * mean_expected_output * decode_s(w)
     A worker whose engine reports its KV cache >= ``KV_FULL`` full is treated as having
     no free slot (the engine cannot admit more), with its running count as capacity.
 
 Prefill engines run one prompt at a time in arrival order (vLLM and SGLang schedule
 waiting prompts FIFO), so work ahead adds up; decode running beside prefill slows it,
 which the learned rate absorbs at the load it was measured under. Per-request overhead
-(scheduling, HTTP) is not modelled apart: it is folded into the learned rate.
+(scheduling, HTTP) is the learned line's intercept.
 """
 
 from __future__ import annotations
@@ -193,6 +200,9 @@ class Ticket:
         "id",
         "output_tokens",
         "predicted",
+        "prompt_tokens",
+        "reported_uncached",
+        "sample",
         "started",
         "state",
         "uncached",
@@ -225,8 +235,12 @@ class Ticket:
         self.predicted = model.ttft(worker, uncached)
         self.first_at: float | None = None
         self.closed = False
-        # Set by whoever reads the answer's usage (completion_tokens), for ``end``.
+        # Set by whoever reads the answer's usage, for ``end``: completion_tokens, and
+        # the uncached prompt tokens the engine reports (prompt - cached_tokens).
         self.output_tokens: int | None = None
+        self.reported_uncached: int | None = None
+        self.prompt_tokens: int | None = None
+        self.sample: float | None = None  # the first-byte time, learned from at ``end``
 
     def first_byte(self, now: float, *, learn: bool = True) -> None:
         """The first byte came back: the prefill part is done (once; later calls and
@@ -241,7 +255,7 @@ class Ticket:
         elapsed = now - self.started
         if learn:
             if self.alone:
-                st.prefill.observe(self.uncached, elapsed)
+                self.sample = elapsed
             if self._model.on_observe is not None:
                 self._model.on_observe(self.worker, self.predicted, elapsed)
 
@@ -258,6 +272,11 @@ class Ticket:
             st.prefill_tokens -= self.uncached
         st.requests -= 1
         st.decode_tokens -= self.expected_out
+        if self.sample is not None:
+            # Learned at the end, when the engine may have said what it really had
+            # cached: a cache the index wrongly predicted must not pass for a slow worker.
+            x = self.reported_uncached if self.reported_uncached is not None else self.uncached
+            st.prefill.observe(x, self.sample)
         if output_tokens is not None and output_tokens > 0:
             self._model.observe_output(output_tokens)
             if self.first_at is not None and output_tokens > 1:

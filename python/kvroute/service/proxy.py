@@ -61,7 +61,7 @@ RETRYABLE = (
 # Worker answer headers passed on to the client (besides the router's own).
 PASS_HEADERS = frozenset((b"content-type", b"cache-control"))
 CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
-COMPLETION_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+USAGE_RE = re.compile(rb'"\w+"\s*:\s*(\d+)')
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 
 
@@ -260,7 +260,7 @@ class Forwarder:
                     if not streaming:  # a whole answer: not a prefill time to learn from
                         ticket.first_byte(time.monotonic(), learn=False)
                         content = await read_answer(upstream)
-                        ticket.output_tokens = _completion_tokens(content)
+                        _usage(ticket, content)
             except TimeoutError:
                 await self._abandon(upstream, res)
                 what = "no answer" if upstream is None else "the worker did not finish"
@@ -316,9 +316,11 @@ class Forwarder:
         cached = decision.cached_tokens
         if cached is None:
             cached = decision.matched_tokens
-        return self.s.work.reserve(
+        ticket = self.s.work.reserve(
             decision.worker, prompt_tokens - cached, expected_out, time.monotonic()
         )
+        ticket.prompt_tokens = prompt_tokens
+        return ticket
 
     @staticmethod
     async def _abandon(upstream: httpx.Response | None, res: Reservation) -> None:
@@ -385,7 +387,7 @@ class Forwarder:
                         ticket.first_byte(time.monotonic())
                     if b'"cached_tokens"' in chunk:
                         self._reuse(chunk, predicted, source)
-                        ticket.output_tokens = _completion_tokens(chunk)
+                        _usage(ticket, chunk)
                     yield chunk
         except (httpx.HTTPError, TimeoutError) as e:
             # Bytes already reached the client: no retry. Tell it in-band and end.
@@ -409,7 +411,18 @@ def _releaser(ticket: Ticket, then: Callable[[], Any] | None) -> Callable[[], No
     return release
 
 
-def _completion_tokens(data: bytes) -> int | None:
-    at = data.find(b'"completion_tokens"')
-    m = COMPLETION_RE.match(data, at) if at >= 0 else None
+def _usage_field(data: bytes, name: bytes) -> int | None:
+    at = data.find(b'"' + name + b'"')
+    m = USAGE_RE.match(data, at) if at >= 0 else None
     return int(m.group(1)) if m is not None else None
+
+
+def _usage(ticket: Ticket, data: bytes) -> None:
+    """What an answer's ``usage`` tells the work model: output tokens, and the prompt
+    tokens the engine really prefilled (when it counts prompt tokens as the router does:
+    same tokenizer)."""
+    ticket.output_tokens = _usage_field(data, b"completion_tokens")
+    prompt = _usage_field(data, b"prompt_tokens")
+    cached = _usage_field(data, b"cached_tokens")
+    if prompt is not None and cached is not None and prompt == ticket.prompt_tokens:
+        ticket.reported_uncached = max(0, prompt - cached)

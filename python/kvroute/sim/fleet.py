@@ -289,6 +289,9 @@ def simulate(
             seq = sequence(req.tokens, req.output_len if output_blocks else 1)
         cached, handle = caches[w].admit_keys(rkeys.tolist(), n, seq)
         handles[r] = handle
+        ticket = tier.ticket(r)
+        if ticket is not None:  # what the engine reports in usage.cached_tokens
+            ticket.reported_uncached = n - cached
         cached_total += cached
         if record:
             cached_per[r] = cached
