@@ -32,6 +32,10 @@ Learned speed, per worker (so a heterogeneous fleet is told apart)
       ``prompt_tokens`` - ``cached_tokens``, in the router's token units): the index's
       guess is used only when it did not, so an evicted prefix the index still believed
       in does not pass for a slow worker.
+    * index trust: the share of the cached tokens the index predicted that the engine
+      reported it really had (EWMA, prior 1). The index only guesses (evictions, other
+      routers, restarts); where its guesses fail, a predicted match is worth that much
+      less: a request is expected to prefill ``uncached + (1 - trust) * matched``.
     * decode seconds per token: at each end with a known output length,
       ``(end - first byte) / (output tokens - 1)``, the median of the last ``WINDOW``.
     Before ``MIN_SAMPLES`` samples the priors hold: ``PRIOR_PREFILL_TPS`` (the
@@ -77,6 +81,7 @@ WINDOW = 64
 MIN_SAMPLES = 3
 KV_FULL = 0.95
 OUTPUT_EWMA = 0.05  # weight of one observed output length in the running mean
+TRUST_EWMA = 0.05  # weight of one reported cache hit in the index's trust
 
 
 class ResistantLine:
@@ -185,6 +190,9 @@ class WorkerWork:
     prefill: ResistantLine = field(default_factory=lambda: ResistantLine(1 / PRIOR_PREFILL_TPS))
     decode_s: MedianEstimator = field(default_factory=lambda: MedianEstimator(PRIOR_DECODE_S))
     engine: EngineReading | None = None
+    # Share of the cached tokens the index predicts that the engine really had (from
+    # usage.cached_tokens); a stale index (evictions it did not see) earns less trust.
+    trust: float = 1.0
 
 
 class Ticket:
@@ -200,6 +208,7 @@ class Ticket:
         "id",
         "output_tokens",
         "predicted",
+        "predicted_cached",
         "prompt_tokens",
         "reported_uncached",
         "sample",
@@ -218,6 +227,7 @@ class Ticket:
         uncached: int,
         expected_out: int,
         now: float,
+        matched: int = 0,
     ) -> None:
         self._model = model
         self.id = tid
@@ -232,14 +242,15 @@ class Ticket:
         e = state.engine
         if e is not None and e.waiting > e.own_pending:
             self.alone = False
-        self.predicted = model.ttft(worker, uncached)
+        self.predicted = model.ttft(worker, uncached, matched)
+        self.predicted_cached = matched
         self.first_at: float | None = None
         self.closed = False
         # Set by whoever reads the answer's usage, for ``end``: completion_tokens, and
         # the uncached prompt tokens the engine reports (prompt - cached_tokens).
         self.output_tokens: int | None = None
         self.reported_uncached: int | None = None
-        self.prompt_tokens: int | None = None
+        self.prompt_tokens = uncached + matched
         self.sample: float | None = None  # the first-byte time, learned from at ``end``
 
     def first_byte(self, now: float, *, learn: bool = True) -> None:
@@ -277,6 +288,9 @@ class Ticket:
             # cached: a cache the index wrongly predicted must not pass for a slow worker.
             x = self.reported_uncached if self.reported_uncached is not None else self.uncached
             st.prefill.observe(x, self.sample)
+        if self.reported_uncached is not None and self.predicted_cached > 0:
+            real = min(self.predicted_cached, max(0, self.prompt_tokens - self.reported_uncached))
+            st.trust += TRUST_EWMA * (real / self.predicted_cached - st.trust)
         if output_tokens is not None and output_tokens > 0:
             self._model.observe_output(output_tokens)
             if self.first_at is not None and output_tokens > 1:
@@ -323,14 +337,22 @@ class LoadModel:
     def observe_output(self, tokens: int) -> None:
         self.mean_output += OUTPUT_EWMA * (tokens - self.mean_output)
 
-    def reserve(self, worker: str, uncached: int, expected_out: int, now: float) -> Ticket:
-        """Reserve a routed request's work on ``worker`` (at decision time)."""
+    def reserve(
+        self, worker: str, uncached: int, expected_out: int, now: float, matched: int = 0
+    ) -> Ticket:
+        """Reserve a routed request's work on ``worker`` (at decision time): ``uncached``
+        prompt tokens beyond the ``matched`` ones the index predicts it holds."""
         st = self.state(worker)
         uncached = max(0, uncached)
+        matched = max(0, matched)
         self._ids += 1
-        t = Ticket(self, self._ids, worker, st, uncached, expected_out, now)
-        st.pending[t.id] = uncached
-        st.prefill_tokens += uncached
+        t = Ticket(self, self._ids, worker, st, uncached, expected_out, now, matched)
+        # The prefill expected: the matched tokens the index may be wrong about count
+        # in proportion to how often it was (``trust``).
+        expect = uncached + round((1.0 - st.trust) * matched)
+        t.uncached = expect
+        st.pending[t.id] = expect
+        st.prefill_tokens += expect
         st.requests += 1
         st.decode_tokens += expected_out
         self.mean_uncached += OUTPUT_EWMA * (uncached - self.mean_uncached)
@@ -393,13 +415,15 @@ class LoadModel:
         """Predicted seconds before a request routed now starts its own prefill."""
         return self.ahead(worker) + self.slot_wait(worker)
 
-    def ttft(self, worker: str, uncached: int) -> float:
-        """Predicted time to first token of a request with ``uncached`` tokens there."""
+    def ttft(self, worker: str, uncached: int, matched: int = 0) -> float:
+        """Predicted time to first token of a request with ``uncached`` tokens beyond
+        the ``matched`` ones the index predicts ``worker`` holds."""
         st = self.workers.get(worker)
         if st is None:
             return max(0, uncached) / PRIOR_PREFILL_TPS
         line = st.prefill
-        own = line.intercept + max(0, uncached) * line.slope
+        expect = max(0, uncached) + (1.0 - st.trust) * max(0, matched)
+        own = line.intercept + expect * line.slope
         return self.ahead(worker) + own + self.slot_wait(worker)
 
     # ----------------------------------------------------------------- reading
@@ -416,6 +440,7 @@ class LoadModel:
             "prefill_samples": st.prefill.samples,
             "decode_ms_per_token": round(st.decode_s.value * 1000, 3),
             "decode_samples": st.decode_s.samples,
+            "index_trust": round(st.trust, 4),
         }
 
 

@@ -316,11 +316,9 @@ class Forwarder:
         cached = decision.cached_tokens
         if cached is None:
             cached = decision.matched_tokens
-        ticket = self.s.work.reserve(
-            decision.worker, prompt_tokens - cached, expected_out, time.monotonic()
+        return self.s.work.reserve(
+            decision.worker, prompt_tokens - cached, expected_out, time.monotonic(), cached
         )
-        ticket.prompt_tokens = prompt_tokens
-        return ticket
 
     @staticmethod
     async def _abandon(upstream: httpx.Response | None, res: Reservation) -> None:

@@ -148,7 +148,8 @@ class RouterTier:
         if cached is None:
             cached = decision.matched_tokens
         model = self.work[k]
-        ticket = model.reserve(decision.worker, len(request.tokens) - cached, output_len, now)
+        n = len(request.tokens)
+        ticket = model.reserve(decision.worker, n - cached, output_len, now, cached)
         self._open[r] = (k, decision, ticket)
         return decision.worker
 

@@ -195,7 +195,7 @@ class CacheAware(Policy):
         if work is None or matches is None:
             return self._ties.least_loaded(loads, among)
         candidates = list(loads) if among is None else [w for w in among if w in loads]
-        ttft = {w: work.ttft(w, n - matches.get(w, 0)) for w in candidates}
+        ttft = {w: work.ttft(w, n - matches.get(w, 0), matches.get(w, 0)) for w in candidates}
         return self._ties.least_by(ttft, loads)
 
     def _sooner(self, alt: str, holder: str, n: int, matches: dict[str, int] | None) -> bool:
@@ -203,9 +203,8 @@ class CacheAware(Policy):
         work = self.work
         if work is None or matches is None:
             return True
-        return work.ttft(alt, n - matches.get(alt, 0)) < work.ttft(
-            holder, n - matches.get(holder, 0)
-        )
+        m_alt, m_holder = matches.get(alt, 0), matches.get(holder, 0)
+        return work.ttft(alt, n - m_alt, m_alt) < work.ttft(holder, n - m_holder, m_holder)
 
     def _record(self, decision: Decision, tokens: Sequence[int]) -> Decision:
         """The chosen worker now holds ``tokens`` (predicted; pending in precise mode)."""

@@ -64,7 +64,10 @@ class MinTtft(Policy):
         n = len(tokens)
         matches = self.index.match(tokens) if n else {}
         work = self.work
-        scored = [(work.ttft(w, n - matches.get(w, 0)), -matches.get(w, 0), w) for w in loads]
+        scored = [
+            (work.ttft(w, n - matches.get(w, 0), matches.get(w, 0)), -matches.get(w, 0), w)
+            for w in loads
+        ]
         if self.temperature > 0 and len(scored) > 1:
             worker = self._sample(scored)
         else:
