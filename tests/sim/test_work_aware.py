@@ -127,3 +127,13 @@ def test_lognormal_chat_is_heavy_tailed() -> None:
     assert lengths.max() <= 131_072
     flat = wl.multiturn(4, 2, 800, 200, 200, seed=0)
     assert {len(r.tokens) for r in flat} == {1000, 1400}
+
+
+def test_vllm_cpu_cost_model_matches_the_engine_measurements() -> None:
+    """ENGINE.md: cold ~580 ms, 90% shared prefix ~110 ms, same prompt ~55 ms (2,000
+    tokens, vLLM CPU block 128). The preset is a line through the first two."""
+    from kvroute.sim.cost import VLLM_CPU
+
+    assert VLLM_CPU.prefill_s(2000) == pytest.approx(0.580, abs=0.010)
+    assert VLLM_CPU.prefill_s(2000 - 1792) == pytest.approx(0.110, abs=0.010)
+    assert VLLM_CPU.prefill_s(2000 - 1920) == pytest.approx(0.055, abs=0.020)
