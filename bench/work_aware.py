@@ -16,12 +16,14 @@ production policy and index code, ``kvroute.sim.fleet``). Per scenario:
   (TTFT minus the request's own prefill time), the busiest worker's prefill-busy time over
   the mean, and the work model's TTFT prediction error (mean absolute, routed requests).
 
-Scenarios: ``mooncake`` (the Mooncake synthetic trace, ``--trace``), ``gsp8`` (SGLang's
+Scenarios: ``mooncake`` (the Mooncake synthetic trace, ``--trace``, 4M cached tokens per
+worker as in the routing-quality study), ``gsp8`` (SGLang's
 generated-shared-prefix defaults, 8 workers), ``llmd_zipf`` (llm-d's long shared prefix
 shape, group popularity Zipf s=1.1), ``chat`` (multi-turn chat, log-normal lengths:
 ``multiturn(sigma=1.8)``, prompt p99 ~17x median, up to ~90k tokens), ``hetero``
 (gsp8 on a fleet whose last 2 of 8 workers prefill at half speed), ``gsp64`` (gsp with
-512 groups on 64 workers).
+512 groups on 64 workers), ``mooncake_200k`` (the trace at the default 200k tokens per
+worker: heavy cache pressure, where the approximate index believes in evicted prefixes).
 
     python bench/work_aware.py --out bench/results/work_aware.json
 """
@@ -66,8 +68,13 @@ def scenarios(trace: str | None) -> list[Scenario]:
     base = {"learn_capacity": True, "policy_settings": {"seed": 0}}
     out = []
     if trace:
+        # 4M tokens per worker, as the routing-quality study: capacity does not limit.
         out.append(
-            Scenario("mooncake", lambda: wl.mooncake(trace), FleetConfig(workers=8, **base))  # type: ignore[arg-type]
+            Scenario(
+                "mooncake",
+                lambda: wl.mooncake(trace),
+                FleetConfig(workers=8, capacity_tokens=4_000_000, **base),  # type: ignore[arg-type]
+            )
         )
     out += [
         Scenario("gsp8", lambda: wl.gsp(64, 16, 2048, 128, 256), FleetConfig(workers=8, **base)),  # type: ignore[arg-type]
@@ -88,6 +95,11 @@ def scenarios(trace: str | None) -> list[Scenario]:
         ),
         Scenario("gsp64", lambda: wl.gsp(512, 16, 2048, 128, 256), FleetConfig(workers=64, **base)),  # type: ignore[arg-type]
     ]
+    if trace:
+        # The default 200k tokens per worker: the index believes in evicted prefixes.
+        out.append(
+            Scenario("mooncake_200k", lambda: wl.mooncake(trace), FleetConfig(workers=8, **base))  # type: ignore[arg-type]
+        )
     return out
 
 
