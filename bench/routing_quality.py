@@ -84,8 +84,13 @@ def build(args: argparse.Namespace) -> list:  # type: ignore[type-arg]
 
 
 def format_counters(counters: dict[str, float]) -> str:
-    """Decisions by reason/source, then predicted vs reported reuse, on one line."""
-    return ", ".join(f"{k}={v:g}" for k, v in sorted(counters.items()))
+    """Decisions by reason/source, then predicted vs reported reuse, on one line; with
+    the work model's checked TTFT predictions, their mean absolute error (router wall
+    seconds: multiply by --time-scale for model time)."""
+    out = ", ".join(f"{k}={v:g}" for k, v in sorted(counters.items()))
+    if counters.get("ttft_checked"):
+        out += f", ttft_mae_s={counters['ttft_abs_error_s'] / counters['ttft_checked']:.4f}"
+    return out
 
 
 def plot(rows: list[ResultRow], samples: dict[str, list[float]], path: str) -> None:

@@ -19,7 +19,9 @@ it back (``tests/test_architecture.py`` checks both).
     ``engine_load`` (parsing engines' /metrics, learned capacities).
 ``routing/``
     How a worker is chosen: ``policies/`` (one module per policy; ``cache_aware`` is the
-    default) and ``tokenization`` (a request -> the token IDs the engine will see).
+    default), ``load`` (the work model: prefill and decode in flight per worker, learned
+    speeds, predicted time to first token; shared with the simulator) and
+    ``tokenization`` (a request -> the token IDs the engine will see).
 ``events/``
     Precise mode: engines' KV cache events decoded, tracked per worker and fed to a
     ``BlockIndex`` that the policy matches on.

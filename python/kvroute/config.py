@@ -102,6 +102,10 @@ class Settings:
     # worker's capacity learned from its engine's running/waiting counts.
     worker_capacity: int | None = None
     learn_capacity: bool = True
+    # Work-aware routing (kvroute.routing.load): cache_aware's "least loaded" by
+    # predicted wait ("work") or by in-flight requests ("requests"); min_ttft's softmax.
+    load_metric: str = "work"
+    router_temperature: float = 0.0
     api_key: str | None = None
     admin_api_key: str | None = None
     worker_api_key: str | None = None
@@ -162,6 +166,10 @@ class Settings:
             raise ConfigError("--prefix-hash-tokens must be >= 1")
         if self.worker_capacity is not None and self.worker_capacity < 1:
             raise ConfigError("--worker-capacity must be >= 1")
+        if self.load_metric not in ("work", "requests"):
+            raise ConfigError(f"--load-metric must be work or requests, got {self.load_metric!r}")
+        if not 0.0 <= self.router_temperature < float("inf"):
+            raise ConfigError("--router-temperature must be a number of seconds >= 0")
         if self.bounded_load_factor < 1.0:
             raise ConfigError("--bounded-load-factor must be >= 1.0")
         fixed: dict[str, list[str]] = {}

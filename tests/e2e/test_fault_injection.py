@@ -7,6 +7,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 
@@ -16,15 +17,26 @@ from support import control
 Fleet = Callable[..., tuple[Server, list[Server]]]
 
 
-def workers_state(router: Server) -> dict[str, dict[str, object]]:
+def workers_state(router: Server) -> dict[str, dict[str, Any]]:
     return {w["url"]: w for w in httpx.get(router.url + "/workers", timeout=5).json()}
 
 
-def settle(router: Server, timeout_s: float = 10.0) -> dict[str, dict[str, object]]:
+def released(w: dict[str, Any]) -> bool:
+    """Nothing of the worker's load is still reserved: requests in flight, and the work
+    model's predicted prefill, requests and decode tokens (``kvroute.routing.load``)."""
+    work = w["work"]
+    return w["in_flight"] == 0 and (
+        work["prefill_tokens_queued"],
+        work["requests"],
+        work["decode_tokens"],
+    ) == (0, 0, 0)
+
+
+def settle(router: Server, timeout_s: float = 10.0) -> dict[str, dict[str, Any]]:
     deadline = time.monotonic() + timeout_s
     while True:
         ws = workers_state(router)
-        if all(w["in_flight"] == 0 for w in ws.values()) or time.monotonic() > deadline:
+        if all(released(w) for w in ws.values()) or time.monotonic() > deadline:
             return ws
 
 
@@ -36,7 +48,7 @@ def test_hanging_worker_is_abandoned_after_first_byte_timeout(fleet: Fleet) -> N
     assert codes == [200] * 4
     ws = settle(router)
     assert ws[workers[0].url]["healthy"] is False
-    assert all(w["in_flight"] == 0 for w in ws.values())
+    assert all(released(w) for w in ws.values())
 
 
 def test_garbage_and_truncated_answers(fleet: Fleet) -> None:
@@ -50,7 +62,7 @@ def test_garbage_and_truncated_answers(fleet: Fleet) -> None:
     ) as s:
         body = b"".join(s.iter_raw())
     assert b'data: {"trunc' in body, "what the worker sent reaches the client"
-    assert settle(router)[workers[0].url]["in_flight"] == 0
+    assert released(settle(router)[workers[0].url])
 
 
 def test_killed_mid_stream_ends_with_an_error_event(fleet: Fleet) -> None:
@@ -63,7 +75,7 @@ def test_killed_mid_stream_ends_with_an_error_event(fleet: Fleet) -> None:
     assert b" t0" in body and b" t1" in body
     assert b'"code":"stream_interrupted"' in body
     ws = settle(router)
-    assert ws[workers[0].url]["in_flight"] == 0
+    assert released(ws[workers[0].url])
     assert ws[workers[0].url]["healthy"] is False
 
 
@@ -123,7 +135,7 @@ def test_worker_refusing_at_startup_then_coming_back(
         time.sleep(0.1)
     assert workers_state(router)[revived.url]["healthy"] is True
     assert httpx.post(router.url + "/v1/completions", json={"prompt": "z"}).status_code == 200
-    assert all(w["in_flight"] == 0 for w in settle(router).values())
+    assert all(released(w) for w in settle(router).values())
 
 
 def test_one_worker_killed_under_load_costs_no_request(fleet: Fleet) -> None:
@@ -159,7 +171,7 @@ def test_one_worker_killed_under_load_costs_no_request(fleet: Fleet) -> None:
         t.join(timeout=60)
     assert results.count(200) == len(results) == 90
     assert seen_down is not None and seen_down < 1.0
-    assert all(w["in_flight"] == 0 for w in settle(router).values())
+    assert all(released(w) for w in settle(router).values())
 
 
 def test_dead_workers_prefixes_spread_over_survivors_by_load(fleet: Fleet) -> None:
@@ -216,7 +228,7 @@ def test_dead_workers_prefixes_spread_over_survivors_by_load(fleet: Fleet) -> No
         for g in orphans:
             r = c.post("/v1/completions", json={"prompt": prompt(g, 3)})
             assert r.headers["x-kvroute-worker"] == new_home[g], "new home keeps the group"
-    assert all(w["in_flight"] == 0 for w in settle(router).values())
+    assert all(released(w) for w in settle(router).values())
 
 
 def test_request_timeout_bounds_the_whole_request(fleet: Fleet) -> None:
@@ -236,4 +248,4 @@ def test_request_timeout_bounds_the_whole_request(fleet: Fleet) -> None:
     assert b" t0" in body and b"[DONE]" not in body
     assert b'"code":"stream_interrupted"' in body
     ws = settle(router)
-    assert ws[workers[0].url]["healthy"] is True and ws[workers[0].url]["in_flight"] == 0
+    assert ws[workers[0].url]["healthy"] is True and released(ws[workers[0].url])

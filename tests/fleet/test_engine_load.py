@@ -62,7 +62,7 @@ def test_parse_worker_capacity() -> None:
 
 
 def test_guard_uses_learned_capacities_per_worker() -> None:
-    policy = create_policy("cache_aware", PrefixIndex())
+    policy = create_policy("cache_aware", PrefixIndex(), load_metric="requests")
     for w in ("a", "b", "c"):
         policy.on_worker_added(w)
     prompt = RouteRequest(tokens=list(range(100)))

@@ -75,7 +75,7 @@ def test_cache_aware_ties_between_holders_go_to_least_loaded() -> None:
 
 def test_cache_aware_below_threshold_goes_least_loaded() -> None:
     idx = PrefixIndex()
-    p = create_policy("cache_aware", idx, cache_threshold=0.9)
+    p = create_policy("cache_aware", idx, cache_threshold=0.9, load_metric="requests")
     idx.insert("http://a", req(4, 0).tokens)
     d = p.select(req(4, 1), {"http://a": 1, "http://b": 0, "http://c": 2, "http://d": 2})
     assert (d.worker, d.reason) == ("http://b", "cache_miss")
@@ -83,7 +83,7 @@ def test_cache_aware_below_threshold_goes_least_loaded() -> None:
 
 def test_cache_aware_imbalance_overrides_cache() -> None:
     idx = PrefixIndex()
-    p = create_policy("cache_aware", idx)
+    p = create_policy("cache_aware", idx, load_metric="requests")
     idx.insert("http://a", req(5, 0).tokens)
     loads = {"http://a": 200, "http://b": 10, "http://c": 50, "http://d": 60}
     d = p.select(req(5, 1), loads)

@@ -185,7 +185,7 @@ def test_guard_counts_what_the_engine_holds_beyond_this_router() -> None:
     """cache_aware's guard adds ``others`` (the engine's running + waiting beyond this
     router's own requests) to a holder's load."""
     index = PrefixIndex(None)
-    pol = create_policy("cache_aware", index, worker_capacity=2)
+    pol = create_policy("cache_aware", index, worker_capacity=2, load_metric="requests")
     tokens = prompt(3).tolist()
     index.insert("a", tokens)
     loads = {"a": 1, "b": 0}
@@ -199,7 +199,9 @@ def test_replicas_guard_a_holder_the_engine_reports_full() -> None:
     """Two replicas each with one request on the holder of a prefix (capacity 2): each
     sees the holder at half its capacity until an engine poll shows both."""
     names = worker_names(2)
-    make = lambda index: create_policy("cache_aware", index, worker_capacity=2)  # noqa: E731
+    make = lambda index: create_policy(  # noqa: E731
+        "cache_aware", index, worker_capacity=2, load_metric="requests"
+    )
     tier = RouterTier(make, names, replicas=2)
     tokens = prompt(4).tolist()
     holder, spare = names

@@ -455,7 +455,13 @@ def test_http_workers_agree_with_fleet_simulator(tmp_path: Path) -> None:
     reqs = workloads.gsp(4, 4, 64, 16, 2, seed=3)
     for i, r in enumerate(reqs):
         r.arrival_s = 10.0 * i  # far apart: each request ends before the next one
-    cfg = fleet.FleetConfig(workers=2, capacity_tokens=4096, block_size=BLOCK)
+    # Request counts: this side routes without a work model (no first bytes to learn).
+    cfg = fleet.FleetConfig(
+        workers=2,
+        capacity_tokens=4096,
+        block_size=BLOCK,
+        policy_settings={"load_metric": "requests"},
+    )
     row = fleet.simulate(fleet.prepare(reqs, BLOCK), "cache_aware", cfg)
 
     def start(_: int) -> Server:
@@ -480,7 +486,7 @@ def test_http_workers_agree_with_fleet_simulator(tmp_path: Path) -> None:
     servers = [f.result() for f in futures if f.exception() is None]
     try:
         assert len(servers) == 2, "a sim worker did not start"
-        policy = create_policy("cache_aware", PrefixIndex(None), seed=0)
+        policy = create_policy("cache_aware", PrefixIndex(None), seed=0, load_metric="requests")
         loads = {s.url: 0 for s in servers}
         for url in loads:
             policy.on_worker_added(url)

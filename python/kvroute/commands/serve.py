@@ -68,6 +68,25 @@ def configure(p: argparse.ArgumentParser) -> None:
         "off: SGLang's rule alone",
     )
     g.add_argument(
+        "--load-metric",
+        default="work",
+        choices=("work", "requests"),
+        help="cache_aware: what 'least loaded' means when it picks a worker on a miss, "
+        "on an imbalanced fleet, among equal matches and for the saturation guard. work "
+        "(default): the least predicted time to first token for this request (queued "
+        "prefill tokens and its own uncached tokens over each worker's learned prefill "
+        "speed, plus the wait for a slot); requests: the fewest requests in flight "
+        "(SGLang's rule exactly). The imbalance thresholds count requests either way",
+    )
+    g.add_argument(
+        "--router-temperature",
+        type=float,
+        default=0.0,
+        metavar="SECS",
+        help="min_ttft: 0 (default) picks the worker of least predicted TTFT; T > 0 "
+        "samples one with probability proportional to exp(-(TTFT - best) / T)",
+    )
+    g.add_argument(
         "--max-tree-size",
         type=int,
         default=None,

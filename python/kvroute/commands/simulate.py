@@ -35,6 +35,29 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-ms-per-token", type=float, default=c.DEFAULT_DECODE_S_PER_TOKEN * 1000)
     p.add_argument("--max-batch", type=int, default=c.DEFAULT_MAX_BATCH)
     p.add_argument(
+        "--slow-workers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="heterogeneous fleet: the last N workers prefill at --slow-prefill-factor "
+        "times the speed of the others (default: 0)",
+    )
+    p.add_argument("--slow-prefill-factor", type=float, default=0.5, metavar="F")
+    p.add_argument(
+        "--load-metric",
+        choices=("work", "requests"),
+        default="work",
+        help="cache_aware's least-loaded choice: predicted wait (work, default, as serve) "
+        "or in-flight requests (SGLang's rule)",
+    )
+    p.add_argument(
+        "--router-temperature",
+        type=float,
+        default=0.0,
+        metavar="SECS",
+        help="min_ttft: softmax temperature over predicted TTFT (default: 0)",
+    )
+    p.add_argument(
         "--max-tree-size",
         type=int,
         default=None,
@@ -74,6 +97,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     g.add_argument("--popularity", choices=("uniform", "zipf"), default="uniform")
     g.add_argument("--conversations", type=int, default=None, help="multiturn")
     g.add_argument("--turns", type=int, default=None, help="multiturn")
+    g.add_argument(
+        "--sigma",
+        type=float,
+        default=None,
+        help="multiturn: log-normal shape of system prompt and user message lengths "
+        "(median --system-len / --question-len); 0 (default): fixed lengths",
+    )
     g.add_argument(
         "--arrivals",
         choices=("burst", "poisson", "trace"),
@@ -138,7 +168,7 @@ def build_workload(args: argparse.Namespace) -> list[Any]:
                 kw[name] = getattr(args, name)
         kw["popularity"] = args.popularity
     elif args.workload == "multiturn":
-        for name in ("conversations", "turns", "system_len", "output_len"):
+        for name in ("conversations", "turns", "system_len", "output_len", "sigma"):
             if getattr(args, name) is not None:
                 kw[name] = getattr(args, name)
         if args.question_len is not None:
@@ -152,20 +182,30 @@ def build_workload(args: argparse.Namespace) -> list[Any]:
 
 def fleet_config(args: argparse.Namespace) -> Any:
     from kvroute.config import parse_worker_capacity
-    from kvroute.sim.fleet import FleetConfig
+    from kvroute.sim.fleet import FleetConfig, heterogeneous
 
     capacity, learn = parse_worker_capacity(args.worker_capacity)
+    cost = c.CostModel(
+        prefill_tokens_per_s=args.prefill_tokens_per_s,
+        decode_s_per_token=args.decode_ms_per_token / 1000,
+        max_batch=args.max_batch,
+    )
+    slow = getattr(args, "slow_workers", 0)
     return FleetConfig(
         workers=args.workers,
         capacity_tokens=args.capacity_tokens,
         block_size=args.block_size,
-        cost=c.CostModel(
-            prefill_tokens_per_s=args.prefill_tokens_per_s,
-            decode_s_per_token=args.decode_ms_per_token / 1000,
-            max_batch=args.max_batch,
+        cost=cost,
+        worker_costs=(
+            heterogeneous(cost, args.workers, slow, args.slow_prefill_factor) if slow else None
         ),
         max_tree_size=args.max_tree_size,
-        policy_settings={"seed": args.seed, "worker_capacity": capacity},
+        policy_settings={
+            "seed": args.seed,
+            "worker_capacity": capacity,
+            "load_metric": getattr(args, "load_metric", "work"),
+            "router_temperature": getattr(args, "router_temperature", 0.0),
+        },
         learn_capacity=learn,
         output_blocks=args.output_blocks,
         router_replicas=getattr(args, "router_replicas", 1),

@@ -182,9 +182,18 @@ def cpu_seconds(pid: int) -> float | None:
 
 
 def routing_counters(text: str) -> dict[str, float]:
-    """From a kvroute ``/metrics`` page: decisions by ``reason/source``, and predicted vs
-    reported cached tokens by source (``predicted/<source>``, ``reported/<source>``)."""
+    """From a kvroute ``/metrics`` page: decisions by ``reason/source``, predicted vs
+    reported cached tokens by source (``predicted/<source>``, ``reported/<source>``), and
+    the work model's TTFT predictions checked (``ttft_checked``) with their summed
+    absolute error (``ttft_abs_error_s``, router wall seconds)."""
     out: dict[str, float] = {}
+    for name, key in (
+        ("kvroute_ttft_prediction_abs_error_seconds_count", "ttft_checked"),
+        ("kvroute_ttft_prediction_abs_error_seconds_sum", "ttft_abs_error_s"),
+    ):
+        m = re.search(rf"^{name} (\S+)$", text, re.M)
+        if m is not None:
+            out[key] = float(m.group(1))
     names = {
         "kvroute_routing_decisions_total": "",
         "kvroute_predicted_cached_tokens_total": "predicted/",

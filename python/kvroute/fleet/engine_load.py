@@ -23,6 +23,12 @@ _GAUGES = re.compile(
     re.MULTILINE,
 )
 _RUNNING = (b"vllm:num_requests_running", b"sglang:num_running_reqs")
+# KV cache usage, 0..1: vLLM (current and older name), SGLang.
+_KV = re.compile(
+    rb"^(?:vllm:kv_cache_usage_perc|vllm:gpu_cache_usage_perc|sglang:token_usage)"
+    rb"(?:\{[^}\n]*\})?[ \t]+(\S+)",
+    re.MULTILINE,
+)
 
 
 def parse_engine_load(text: bytes) -> tuple[int, int] | None:
@@ -43,6 +49,20 @@ def parse_engine_load(text: bytes) -> tuple[int, int] | None:
         else:
             waiting += v
     return (int(running), int(waiting)) if found else None
+
+
+def parse_kv_usage(text: bytes) -> float | None:
+    """The highest KV cache usage (0..1) over the series of a Prometheus exposition
+    (vLLM ``kv_cache_usage_perc``, SGLang ``token_usage``), or None when absent."""
+    best: float | None = None
+    for value in _KV.findall(text):
+        try:
+            v = float(value)
+        except ValueError:
+            continue
+        if 0.0 <= v <= 1.0 and (best is None or v > best):
+            best = v
+    return best
 
 
 def others_load(running: int, waiting: int, own: int) -> int:

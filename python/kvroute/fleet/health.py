@@ -4,7 +4,8 @@ Every ``health_check_interval_secs`` each worker's health endpoint is asked; the
 registry turns the answers into up/down (``kvroute.fleet.registry``). With the
 saturation guard on, a healthy worker's ``/metrics`` is read right after: its
 running/waiting counts feed the capacity learner and the load its engine holds beyond
-this router's own requests (``kvroute.fleet.engine_load``). The models a healthy
+this router's own requests (``kvroute.fleet.engine_load``), and, with its KV cache
+usage, the work model's view of the engine (``kvroute.routing.load``). The models a healthy
 worker serves are read from its ``/v1/models`` after each check (``kvroute.fleet.models``).
 """
 
@@ -17,9 +18,15 @@ from typing import Protocol
 import httpx
 
 from kvroute.config import Settings
-from kvroute.fleet.engine_load import CapacityLearner, others_load, parse_engine_load
+from kvroute.fleet.engine_load import (
+    CapacityLearner,
+    others_load,
+    parse_engine_load,
+    parse_kv_usage,
+)
 from kvroute.fleet.models import parse_models
 from kvroute.fleet.registry import Registry
+from kvroute.routing.load import LoadModel
 
 log = logging.getLogger("kvroute.fleet.health")
 
@@ -33,6 +40,7 @@ class Checked(Protocol):
     capacity: CapacityLearner | None
     polls_engine: bool
     others: dict[str, int]
+    work: LoadModel
 
 
 async def poll_engine_load(state: Checked, url: str) -> None:
@@ -52,6 +60,7 @@ async def poll_engine_load(state: Checked, url: str) -> None:
     worker = state.registry.workers.get(url)
     if worker is not None:
         state.others[url] = others_load(*load, worker.in_flight)
+        state.work.observe_engine(url, *load, parse_kv_usage(r.content))
 
 
 async def refresh_models(state: Checked, url: str) -> None:

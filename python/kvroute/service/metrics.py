@@ -36,6 +36,8 @@ LATENCY_BUCKETS = (
     300,
 )
 RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+# Observed / predicted TTFT: 1 is a perfect prediction.
+PREDICTION_BUCKETS = (0.125, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4, 8)
 
 
 class _FleetCollector(Collector):
@@ -67,7 +69,32 @@ class _FleetCollector(Collector):
             "router's own (other routers, bypassing clients; absent with the guard off)",
             labels=["worker"],
         )
+        work = {
+            key: GaugeMetricFamily(f"kvroute_worker_{key}", text, labels=["worker"])
+            for key, text in (
+                (
+                    "prefill_tokens_queued",
+                    "Predicted uncached prompt tokens routed to a "
+                    "worker whose first byte has not come back (work model)",
+                ),
+                ("decode_tokens", "Expected output tokens of the requests in flight"),
+                (
+                    "predicted_wait_s",
+                    "Predicted wait before a request routed now starts "
+                    "its own prefill: queued prefill and the wait for a slot",
+                ),
+                ("prefill_tokens_per_s", "Learned prefill speed (prior until observed)"),
+                (
+                    "prefill_overhead_ms",
+                    "Learned per-request time to first byte apart from the prefill tokens",
+                ),
+                ("decode_ms_per_token", "Learned time per output token"),
+            )
+        }
         for w in snap["workers"]:
+            for key, fam in work.items():
+                if w.get("work") is not None:
+                    fam.add_metric([w["url"]], w["work"][key])
             in_flight.add_metric([w["url"]], w["in_flight"])
             healthy.add_metric([w["url"]], 1 if w["healthy"] else 0)
             cached.add_metric([w["url"]], w["cached_tokens"])
@@ -80,6 +107,7 @@ class _FleetCollector(Collector):
         yield cached
         yield capacity
         yield external
+        yield from work.values()
         stats = snap["index"]
         yield GaugeMetricFamily("kvroute_index_nodes", "Radix tree nodes", value=stats["nodes"])
         yield GaugeMetricFamily(
@@ -186,6 +214,19 @@ class RouterMetrics:
             registry=r,
         )
         self.model_label = ModelLabels(32)
+        self.prediction_ratio = Histogram(
+            "kvroute_ttft_prediction_ratio",
+            "Observed / predicted time to first token of streamed answers (work model; 1 = exact)",
+            buckets=PREDICTION_BUCKETS,
+            registry=r,
+        )
+        self.prediction_error = Histogram(
+            "kvroute_ttft_prediction_abs_error_seconds",
+            "|observed - predicted| time to first token of streamed answers; "
+            "_sum / _count is the mean absolute error",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         r.register(_FleetCollector(snapshot))
         # The request path's children (label values -> child).
         self.requests_by = Children(self.requests)
@@ -195,6 +236,23 @@ class RouterMetrics:
         self.predicted_by = Children(self.predicted_cached)
         self.reported_by = Children(self.reported_cached)
         self.model_requests_by = Children(self.model_requests)
+
+    def observe_prediction(self, worker: str, predicted: float, observed: float) -> None:
+        """A first byte came back: how good was the work model's TTFT prediction?"""
+        if predicted > 0:
+            self.prediction_ratio.observe(observed / predicted)
+        self.prediction_error.observe(abs(observed - predicted))
+
+    def prediction_stats(self) -> dict[str, float]:
+        """Predictions checked so far and their mean absolute error (seconds)."""
+        count = total = 0.0
+        for metric in self.prediction_error.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_count"):
+                    count = sample.value
+                elif sample.name.endswith("_sum"):
+                    total = sample.value
+        return {"count": count, "mae_s": total / count if count else 0.0}
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -48,7 +48,8 @@ from kvroute.fleet.models import (
     requested_model,
 )
 from kvroute.fleet.registry import Reservation
-from kvroute.routing.policies.base import NoWorkerError, RouteRequest
+from kvroute.routing.load import Ticket, max_tokens_of
+from kvroute.routing.policies.base import Decision, NoWorkerError, RouteRequest
 
 if TYPE_CHECKING:
     from kvroute.service.state import RouterState
@@ -68,6 +69,7 @@ RETRYABLE = (
 # Worker answer headers passed on to the client (besides the router's own).
 PASS_HEADERS = frozenset((b"content-type", b"cache-control"))
 CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+USAGE_RE = re.compile(rb'"\w+"\s*:\s*(\d+)')
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 
 
@@ -219,6 +221,7 @@ class Forwarder:
         tried: set[str] = set()
         last_error = "no healthy worker"
         deadline = time.monotonic() + s.settings.request_timeout_secs
+        expected_out = s.work.expected_output(max_tokens_of(obj))
         for attempt in range(s.settings.max_retries + 1):
             loads = s.registry.loads(exclude=tried, model=model)
             if not loads:
@@ -234,7 +237,9 @@ class Forwarder:
             on_release = None
             if decision.ticket is not None:  # the policy tracks the request until it ends
                 on_release = functools.partial(s.policy.on_done, decision)
-            res = s.registry.reserve(decision.worker, on_release)
+            # The request's predicted work, released with the reservation (exactly once).
+            ticket = self._reserve_work(decision, len(tokens), expected_out)
+            res = s.registry.reserve(decision.worker, _releaser(ticket, on_release))
             source = "precise" if decision.precise else "approximate"
             s.metrics.decisions_by[s.policy.name, decision.reason, source].inc()
             if s.policy.name == "cache_aware":
@@ -264,8 +269,10 @@ class Forwarder:
                     s.registry.record_status(decision.worker, upstream.status_code)
                     s.metrics.ttfb_by[(kind,)].observe(time.perf_counter() - t0)
                     streaming = stream and upstream.status_code == 200
-                    if not streaming:
+                    if not streaming:  # a whole answer: not a prefill time to learn from
+                        ticket.first_byte(time.monotonic(), learn=False)
                         content = await read_answer(upstream)
+                        _usage(ticket, content)
             except TimeoutError:
                 await self._abandon(upstream, res)
                 what = "no answer" if upstream is None else "the worker did not finish"
@@ -296,7 +303,13 @@ class Forwarder:
             if streaming:
                 return ProxyStream(
                     self._relay(
-                        upstream, decision.worker, rid, deadline, decision.matched_tokens, source
+                        upstream,
+                        decision.worker,
+                        rid,
+                        deadline,
+                        decision.matched_tokens,
+                        source,
+                        ticket,
                     ),
                     upstream.status_code,
                     raw,
@@ -341,6 +354,14 @@ class Forwarder:
         out = array("I", (token,))
         out.extend(tokens)
         return out
+
+    def _reserve_work(self, decision: Decision, prompt_tokens: int, expected_out: int) -> Ticket:
+        cached = decision.cached_tokens
+        if cached is None:
+            cached = decision.matched_tokens
+        return self.s.work.reserve(
+            decision.worker, prompt_tokens - cached, expected_out, time.monotonic(), cached
+        )
 
     @staticmethod
     async def _abandon(upstream: httpx.Response | None, res: Reservation) -> None:
@@ -396,14 +417,18 @@ class Forwarder:
         deadline: float,
         predicted: int,
         source: str,
+        ticket: Ticket,
     ) -> AsyncIterator[bytes]:
         try:
             async with asyncio.timeout_at(
                 asyncio.get_running_loop().time() + (deadline - time.monotonic())
             ):
                 async for chunk in answer_chunks(upstream):
+                    if ticket.first_at is None:
+                        ticket.first_byte(time.monotonic())
                     if b'"cached_tokens"' in chunk:
                         self._reuse(chunk, predicted, source)
+                        _usage(ticket, chunk)
                     yield chunk
         except (httpx.HTTPError, TimeoutError) as e:
             # Bytes already reached the client: no retry. Tell it in-band and end.
@@ -414,3 +439,31 @@ class Forwarder:
                 self.s.registry.mark_down(worker, f"{name} mid-stream", passive=True)
             msg = f"upstream worker failed mid-stream ({name})"
             yield b"data: " + error_body(msg, "upstream_error", "stream_interrupted") + b"\n\n"
+
+
+def _releaser(ticket: Ticket, then: Callable[[], Any] | None) -> Callable[[], None]:
+    """The reservation's release hook: the request's work ends with it, then ``then``."""
+
+    def release() -> None:
+        ticket.end(time.monotonic())
+        if then is not None:
+            then()
+
+    return release
+
+
+def _usage_field(data: bytes, name: bytes) -> int | None:
+    at = data.find(b'"' + name + b'"')
+    m = USAGE_RE.match(data, at) if at >= 0 else None
+    return int(m.group(1)) if m is not None else None
+
+
+def _usage(ticket: Ticket, data: bytes) -> None:
+    """What an answer's ``usage`` tells the work model: output tokens, and the prompt
+    tokens the engine really prefilled (when it counts prompt tokens as the router does:
+    same tokenizer)."""
+    ticket.output_tokens = _usage_field(data, b"completion_tokens")
+    prompt = _usage_field(data, b"prompt_tokens")
+    cached = _usage_field(data, b"cached_tokens")
+    if prompt is not None and cached is not None and prompt == ticket.prompt_tokens:
+        ticket.reported_uncached = max(0, prompt - cached)

@@ -20,6 +20,7 @@ from kvroute.config import ConfigError, Settings
 from kvroute.fleet.engine_load import CapacityLearner
 from kvroute.fleet.models import adapter_partition
 from kvroute.fleet.registry import Registry
+from kvroute.routing.load import LoadModel
 from kvroute.routing.policies import Policy, create_policy
 from kvroute.routing.tokenization import PromptTokenizer
 from kvroute.service.admission import Admission
@@ -46,6 +47,9 @@ class RouterState:
     # the requests its engine holds that this router did not send (``others_load``).
     polls_engine: bool = False
     others: dict[str, int] = field(default_factory=dict)
+    # Work in flight and learned speed per worker (kvroute.routing.load); the proxy
+    # reserves each routed request's predicted work here, work-aware policies read it.
+    work: LoadModel = field(default_factory=LoadModel)
     subscriber: Any = None
     # Set by ``kvroute serve`` on SIGTERM: the server stops accepting and, once the grace
     # period runs out, cancels what is still in flight.
@@ -63,6 +67,7 @@ class RouterState:
             "workers": self.workers_json(),
             "index": self.index.stats(),
             "tokenizer": self.tokenizer.cache_stats(),
+            "ttft_predictions": self.metrics.prediction_stats() if self.metrics else None,
             "asyncio_tasks": _task_count(),
         }
 
@@ -82,6 +87,7 @@ class RouterState:
                 "capacity": self.worker_capacity(w.url),
                 "external_load": self.others.get(w.url) if self.polls_engine else None,
                 "models": sorted(w.models) if w.models is not None else None,
+                "work": self.work.snapshot(w.url),
             }
             for w in self.registry.workers.values()
         ]
@@ -112,8 +118,20 @@ def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) ->
         prefix_hash_tokens=settings.prefix_hash_tokens,
         bounded_load_factor=settings.bounded_load_factor,
         worker_capacity=settings.worker_capacity,
+        load_metric=settings.load_metric,
+        router_temperature=settings.router_temperature,
     )
-    registry = Registry(settings, on_down=policy.on_worker_removed, on_added=policy.on_worker_added)
+    work = LoadModel()
+    work.fixed_capacity = settings.worker_capacity
+    uses_work = getattr(policy, "work", None) is not None
+    if uses_work:
+        policy.work = work  # type: ignore[attr-defined]
+
+    def added(url: str) -> None:
+        policy.on_worker_added(url)
+        work.add_worker(url)
+
+    registry = Registry(settings, on_down=policy.on_worker_removed, on_added=added)
     state = RouterState(
         settings=settings,
         index=index,
@@ -127,19 +145,25 @@ def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) ->
             settings.queue_timeout_secs,
         ),
     )
+    state.work = work
     state.metrics = RouterMetrics(state.snapshot)
+    work.on_observe = state.metrics.observe_prediction
     state.admission.on_reject = lambda reason: state.metrics.rejected.labels(reason).inc()
     learns = settings.learn_capacity and settings.worker_capacity is None
-    if learns and hasattr(policy, "capacities"):
+    if learns and (hasattr(policy, "capacities") or uses_work):
         setup_capacity_learning(state)
-    if hasattr(policy, "others") and (learns or settings.worker_capacity is not None):
+    guarded = hasattr(policy, "others") or uses_work
+    if guarded and (learns or settings.worker_capacity is not None):
         state.polls_engine = True
-        policy.others = state.others
+        if hasattr(policy, "others"):
+            policy.others = state.others
+        work.others = state.others
 
         def forget(url: str) -> None:
             state.others.pop(url, None)
 
         _chain_on_down(state, forget)
+    _chain_on_down(state, work.remove_worker)
     if settings.kv_events:
         setup_precise(state)
     for url in settings.worker_urls:
@@ -163,7 +187,9 @@ def setup_capacity_learning(state: RouterState) -> None:
     """Saturation guard on ``auto``: capacities learned from the engines' /metrics."""
     learner = CapacityLearner()
     state.capacity = learner
-    state.policy.capacities = learner.capacities  # type: ignore[attr-defined]
+    if hasattr(state.policy, "capacities"):
+        state.policy.capacities = learner.capacities
+    state.work.capacities = learner.capacities
     _chain_on_down(state, learner.forget)
 
 

@@ -38,6 +38,16 @@ def _table(head: list[str], rows: list[list[Any]]) -> str:
     return f"<table><tr>{th}</tr>{body}</table>"
 
 
+def _work_cells(work: dict[str, Any] | None) -> list[Any]:
+    if work is None:
+        return ["-", "-", "-"]
+    return [
+        f"{work['prefill_tokens_queued']:,}",
+        f"{work['predicted_wait_s']:.3f}",
+        f"{work['prefill_tokens_per_s']:,.0f} ({work['prefill_samples']} samples)",
+    ]
+
+
 def render(
     *,
     policy: str,
@@ -59,6 +69,7 @@ def render(
             f"{w['cached_tokens']:,}",
             w["requests_served"],
             w["failures"],
+            *_work_cells(w.get("work")),
         ]
         for w in workers
     ]
@@ -76,7 +87,13 @@ def render(
     )
     uptime = int(time.time() - started)
     head = ["url", "health", "mode", "in flight", "capacity", "cached tokens (index)"]
-    workers_table = _table([*head, "served", "failures"], worker_rows)
+    work_head = ["queued prefill tokens", "predicted wait (s)", "prefill tok/s (learned)"]
+    workers_table = _table([*head, "served", "failures", *work_head], worker_rows)
+    pred = snapshot.get("ttft_predictions") or {"count": 0, "mae_s": 0.0}
+    predictions = (
+        f"{pred['count']:,.0f} streamed first bytes checked against the work model's "
+        f"prediction: mean absolute error {pred['mae_s'] * 1000:,.1f} ms"
+    )
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><meta http-equiv="refresh" content="{REFRESH_SECS}">
 <title>kvroute status</title>
@@ -90,6 +107,8 @@ asyncio tasks {snapshot["asyncio_tasks"]}</p>
 {workers_table}
 <h2>Routing decisions</h2>
 {_table(["reason", "requests", "share"], decision_rows)}
+<h2>Time to first token</h2>
+<p>{escape(predictions)}</p>
 <h2>Cache</h2>
 <p>{escape(reuse)}</p>
 <p>index: {index["nodes"]:,} nodes, {index["memory_bytes"] / 2**20:.1f} MiB,

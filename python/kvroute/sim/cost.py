@@ -33,6 +33,19 @@ Defaults and where they come from:
   has left after the weights, so that cache pressure shows at benchmark sizes.
 * ``block_size = 16``: vLLM's default KV block size.
 
+These defaults are an estimate for GPU serving, not a fit to a measured engine. The one
+engine this project can run, vLLM's CPU build on a tiny random-weight Llama (ENGINE.md:
+2,000-token prompts, one request at a time, one core per replica), measured cold
+~580 ms, 90% shared prefix ~110 ms, the same prompt again ~55 ms. ``VLLM_CPU`` is the
+cost model fitted to it: a line through the cold and the 90%-shared points, with
+vLLM's CPU block of 128 tokens (90% shared = 1,792 cached, 208 uncached; the same
+prompt = 1,920 cached, 80 uncached): 3,800 prefill tokens/s and 50 ms of overhead,
+which gives 576 ms cold and 105 ms at 90% shared, and 71 ms for the same prompt
+(16 ms over what was measured: the line is not fitted to that point). Only prefill was
+fitted; decode and batch numbers keep the defaults. The work model
+(``kvroute.routing.load``) learns the same two numbers (overhead, tokens/s) per worker
+online, so ``min_ttft`` does not depend on this calibration.
+
 Generated tokens take cache blocks as prompt tokens do (``sim.cache``: each block the
 prompt + output sequence fills is cached and pinned while the request runs, then stays
 evictable), so long outputs compete with prompts for ``capacity_tokens``. A request whose
@@ -82,3 +95,7 @@ class CostModel:
     def decode_s(self, output_tokens: int, batch: int) -> float:
         """Model seconds from the first to the last of ``output_tokens`` tokens."""
         return max(output_tokens - 1, 0) * self.decode_interval_s(batch)
+
+
+# vLLM's CPU build on this project's test model (see the module docstring).
+VLLM_CPU = CostModel(prefill_tokens_per_s=3_800.0, overhead_s=0.050)

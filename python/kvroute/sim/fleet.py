@@ -18,6 +18,18 @@ instead of sleeps:
   from cached prompts as in vLLM (``FleetConfig.output_blocks``, on by default);
 * completion unpins the blocks, releases the load and admits the next waiting request.
 
+Heterogeneous fleets: ``FleetConfig.worker_costs`` gives each worker its own cost model
+(``heterogeneous`` builds one with some workers slower at prefill).
+
+Work and TTFT predictions (``kvroute.routing.load``): the router tier reserves each routed
+request's predicted work at decision time and is told its first token (a heap event at
+that virtual time) and its end, as ``serve`` is by the proxy, so the work-aware policies
+learn each worker's speed here exactly as they would in production. Per run the row's
+``extra`` also reports what the work model is judged on: ``queue_wait_p99`` (TTFT minus
+the request's own prefill time: the time it waited behind others), ``busy_max_over_mean``
+(the busiest worker's prefill-busy seconds over the fleet mean) and ``ttft_mae_s`` /
+``ttft_ratio_p50`` (predicted vs simulated TTFT of routed requests).
+
 Precise mode: a policy written ``cache_aware+events`` gets a ``BlockIndex`` that every
 worker's cache reports into as it stores, evicts and clears blocks (the events the sim
 worker publishes, applied at once: no wire, no loss, no delay), and routes on it as the
@@ -44,7 +56,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import numpy as np
@@ -86,7 +98,24 @@ class FleetConfig:
     # the guard adds what an engine holds beyond the replica's own requests (other
     # replicas', bypass traffic). None: never.
     engine_poll_s: float | None = 5.0
+    # Per worker cost models (heterogeneous fleet); None: ``cost`` for every worker.
+    worker_costs: tuple[CostModel, ...] | None = None
     seed: int = 0
+
+    def costs(self) -> list[CostModel]:
+        if self.worker_costs is None:
+            return [self.cost] * self.workers
+        if len(self.worker_costs) != self.workers:
+            raise ValueError("worker_costs must give one cost model per worker")
+        return list(self.worker_costs)
+
+
+def heterogeneous(cost: CostModel, workers: int, slow: int, factor: float) -> tuple[CostModel, ...]:
+    """``workers`` cost models, the last ``slow`` of them prefilling at ``factor`` x speed."""
+    if not 0 <= slow <= workers or factor <= 0:
+        raise ValueError("slow workers must be within [0, workers] and factor > 0")
+    slowed = replace(cost, prefill_tokens_per_s=cost.prefill_tokens_per_s * factor)
+    return tuple(cost if i < workers - slow else slowed for i in range(workers))
 
 
 @dataclass(slots=True)
@@ -195,8 +224,7 @@ def simulate(
         learner=learner,
         events=events,
     )
-    cost = cfg.cost
-    max_batch = cost.max_batch
+    costs = cfg.costs()
     running = [0] * nw
     queues: list[deque[int]] = [deque() for _ in range(nw)]
     prefill_free = [0.0] * nw
@@ -212,8 +240,12 @@ def simulate(
     e2e = [0.0] * nreq
     cached_total = 0
     cached_per: list[int] = [0] * nreq if record else []
-    # (time, request, worker): the request's next block fill, or its completion.
+    # (time, request, worker): the request's next block fill, or its completion;
+    # (time, request, -1 - worker): its first token (routed requests: the work model).
     heap: list[tuple[float, int, int]] = []
+    predicted = [float("nan")] * nreq
+    own_prefill = [0.0] * nreq
+    busy = [0.0] * nw
     first_at = [0.0] * nreq
     interval = [0.0] * nreq
     done_at = [0.0] * nreq
@@ -257,12 +289,19 @@ def simulate(
             seq = sequence(req.tokens, req.output_len if output_blocks else 1)
         cached, handle = caches[w].admit_keys(rkeys.tolist(), n, seq)
         handles[r] = handle
+        ticket = tier.ticket(r)
+        if ticket is not None:  # what the engine reports in usage.cached_tokens
+            ticket.reported_uncached = n - cached
         cached_total += cached
         if record:
             cached_per[r] = cached
         running[w] += 1
+        cost = costs[w]
         start = prefill_free[w] if prefill_free[w] > now else now
-        first = start + cost.prefill_s(n - cached)
+        own = cost.prefill_s(n - cached)
+        own_prefill[r] = own
+        busy[w] += own
+        first = start + own
         prefill_free[w] = first
         first_at[r] = first
         interval[r] = cost.decode_interval_s(running[w])
@@ -270,13 +309,15 @@ def simulate(
         done_at[r] = done
         ttft[r] = first - req.arrival_s
         e2e[r] = done - req.arrival_s
+        if bypass[r] < 0:
+            heapq.heappush(heap, (first, r, -1 - w))
         schedule(r, w)
 
     nxt = 0
     while nxt < nreq or heap:
         upcoming = min(heap[0][0] if heap else np.inf, arrivals[nxt] if nxt < nreq else np.inf)
         if next_poll <= upcoming:
-            tier.poll([running[i] + len(queues[i]) for i in range(nw)])
+            tier.poll([running[i] + len(queues[i]) for i in range(nw)], [len(q) for q in queues])
             next_poll += cast(float, poll_every)
             continue
         if next_restart <= upcoming:
@@ -286,6 +327,9 @@ def simulate(
             continue
         if heap and (nxt >= nreq or heap[0][0] <= arrivals[nxt]):
             now, r, w = heapq.heappop(heap)
+            if w < 0:
+                tier.first_byte(r, now)
+                continue
             h = handles[r]
             if h is not None:
                 n = len(reqs[r].tokens)
@@ -298,7 +342,7 @@ def simulate(
                 caches[w].release(h)
                 handles[r] = None
             running[w] -= 1
-            tier.done(r)
+            tier.done(r, now, reqs[r].output_len)
             if queues[w]:
                 admit(w, queues[w].popleft(), now)
             continue
@@ -308,12 +352,17 @@ def simulate(
         w = bypass[r]
         if w < 0:
             t0 = perf()
-            worker = route(r, RouteRequest(tokens=cast(Sequence[int], reqs[r].tokens)))
+            worker = route(
+                r, RouteRequest(tokens=cast(Sequence[int], reqs[r].tokens)), now, reqs[r].output_len
+            )
             decision_ns += perf() - t0
             w = widx[worker]
+            ticket = tier.ticket(r)
+            if ticket is not None:
+                predicted[r] = ticket.predicted
         assigned[r] = w
         per_worker[w] += 1
-        if running[w] < max_batch:
+        if running[w] < costs[w].max_batch:
             admit(w, r, now)
         else:
             queues[w].append(r)
@@ -328,6 +377,13 @@ def simulate(
         "router_replicas": cfg.router_replicas,
         "bypassed": nreq - routed,
         "restarts": restarts,
+        **work_report(ttft, own_prefill, busy, predicted),
+        "prefill_tokens_per_s_learned": [round(tier.work[0].prefill_rate(x), 1) for x in names],
+        "final_work": sum(
+            st.prefill_tokens + st.requests + st.decode_tokens
+            for m in tier.work
+            for st in m.workers.values()
+        ),
     }
     if record:
         extra["assigned"] = assigned
@@ -368,3 +424,30 @@ def compare(
             progress(row.name, row.extra["wall_s"])
         rows.append(row)
     return rows, upper_bound(prep)
+
+
+def work_report(
+    ttft: Sequence[float],
+    own_prefill: Sequence[float],
+    busy: Sequence[float],
+    predicted: Sequence[float],
+) -> dict[str, float]:
+    """Queue wait p99, busiest worker's prefill-busy time over the mean, and how well
+    TTFT was predicted (routed requests only): mean absolute error and median ratio."""
+    t = np.asarray(ttft, dtype=np.float64)
+    wait = t - np.asarray(own_prefill, dtype=np.float64)
+    b = np.asarray(busy, dtype=np.float64)
+    p = np.asarray(predicted, dtype=np.float64)
+    seen = ~np.isnan(p)
+    out = {
+        "queue_wait_p99": float(np.percentile(wait, 99)) if len(wait) else float("nan"),
+        "busy_max_over_mean": float(b.max() / b.mean()) if len(b) and b.mean() > 0 else 0.0,
+        "ttft_mae_s": float("nan"),
+        "ttft_ratio_p50": float("nan"),
+    }
+    if seen.any():
+        out["ttft_mae_s"] = float(np.mean(np.abs(p[seen] - t[seen])))
+        ok = seen & (t > 0)
+        if ok.any():
+            out["ttft_ratio_p50"] = float(np.median(p[ok] / t[ok]))
+    return out

@@ -23,6 +23,13 @@ What an approximate router cannot see, modelled so precise mode can be judged on
   engine holds beyond its own (``others``), which the saturation guard adds to the
   replica's own load.
 
+Work (``kvroute.routing.load``): each replica keeps its own ``LoadModel``, shared with
+its policy (``min_ttft``, ``cache_aware`` on the work metric), and reserves each routed
+request's predicted work in the same step as its load, exactly as ``serve`` does; the
+fleet reports first bytes (``first_byte``) and ends (``done``) in virtual time, which is
+how the replicas learn each worker's speed. Engine polls also feed each replica's model
+(running and waiting counts).
+
 Precise mode in virtual time (``InstantEvents``): the caches report straight into the
 ``BlockIndex`` as they store, evict and clear blocks (no wire, no loss, no delay) and
 every worker is trusted, as the router does with ``--kv-events`` and every worker
@@ -37,6 +44,7 @@ import numpy as np
 
 from kvroute._native import BlockIndex, PrefixIndex
 from kvroute.fleet.engine_load import CapacityLearner
+from kvroute.routing.load import LoadModel, Ticket
 from kvroute.routing.policies.base import Decision, Policy, RouteRequest
 from kvroute.sim.cache import PrefixCache
 
@@ -103,6 +111,16 @@ class RouterTier:
         self.loads: list[dict[str, int]] = [dict.fromkeys(self.names, 0) for _ in self.policies]
         self.others: list[dict[str, int]] = [dict.fromkeys(self.names, 0) for _ in self.policies]
         self.learner = learner
+        self.work = [LoadModel() for _ in self.policies]
+        for pol, model in zip(self.policies, self.work, strict=True):
+            if learner is not None:
+                model.capacities = learner.capacities
+            model.fixed_capacity = getattr(pol, "worker_capacity", None)
+            model.others = self.others[self.policies.index(pol)]
+            if getattr(pol, "work", None) is not None:
+                pol.work = model  # type: ignore[attr-defined]
+            for w in self.names:
+                model.add_worker(w)
         for pol in self.policies:
             for w in self.names:
                 pol.on_worker_added(w)
@@ -115,35 +133,56 @@ class RouterTier:
                     raise ValueError(f"{pol.name}: only cache_aware has a precise mode")
                 pol.precise = events
         self._next = 0
-        # request -> (replica, its decision): released when the request ends.
-        self._open: dict[int, tuple[int, Decision]] = {}
+        # request -> (replica, its decision, its work): released when the request ends.
+        self._open: dict[int, tuple[int, Decision, Ticket]] = {}
 
-    def route(self, r: int, request: RouteRequest) -> str:
-        """The next replica in turn routes request ``r`` and reserves its load."""
+    def route(self, r: int, request: RouteRequest, now: float = 0.0, output_len: int = 1) -> str:
+        """The next replica in turn routes request ``r`` and reserves its load and its
+        predicted work (``output_len``: the request's ``max_tokens``)."""
         k = self._next
         self._next = (k + 1) % len(self.policies)
         loads = self.loads[k]
         decision = self.policies[k].select(request, loads)
         loads[decision.worker] += 1
-        self._open[r] = (k, decision)
+        cached = decision.cached_tokens
+        if cached is None:
+            cached = decision.matched_tokens
+        model = self.work[k]
+        n = len(request.tokens)
+        ticket = model.reserve(decision.worker, n - cached, output_len, now, cached)
+        self._open[r] = (k, decision, ticket)
         return decision.worker
 
-    def done(self, r: int) -> None:
+    def ticket(self, r: int) -> Ticket | None:
+        opened = self._open.get(r)
+        return opened[2] if opened is not None else None
+
+    def first_byte(self, r: int, now: float) -> None:
+        """Request ``r``'s first token came out (its prefill work is done)."""
+        opened = self._open.get(r)
+        if opened is not None:
+            opened[2].first_byte(now)
+
+    def done(self, r: int, now: float = 0.0, output_tokens: int | None = None) -> None:
         """Request ``r`` ended: its replica releases the load (bypass requests: nothing)."""
         opened = self._open.pop(r, None)
         if opened is None:
             return
-        k, decision = opened
+        k, decision, ticket = opened
+        ticket.end(now, output_tokens)
         self.loads[k][decision.worker] -= 1
         if decision.ticket is not None:
             self.policies[k].on_done(decision)
 
-    def poll(self, engine: Sequence[int]) -> None:
+    def poll(self, engine: Sequence[int], waiting: Sequence[int] | None = None) -> None:
         """Each engine's running + waiting count (per worker, in ``names`` order) as
-        the replicas read it: what each holds beyond a replica's own requests."""
-        for loads, others in zip(self.loads, self.others, strict=True):
-            for w, held in zip(self.names, engine, strict=True):
+        the replicas read it: what each holds beyond a replica's own requests.
+        ``waiting``: the waiting part, per worker (feeds the work models)."""
+        for loads, others, model in zip(self.loads, self.others, self.work, strict=True):
+            for i, (w, held) in enumerate(zip(self.names, engine, strict=True)):
                 others[w] = max(0, held - loads[w])
+                if waiting is not None:
+                    model.observe_engine(w, held - waiting[i], waiting[i])
 
     def in_flight(self) -> int:
         return sum(sum(loads.values()) for loads in self.loads)

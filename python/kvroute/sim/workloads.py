@@ -13,7 +13,11 @@ independently drawn segments never share a block by accident.
   ``k-1``'s prompt + its answer (``output_len`` tokens) + a new user message of
   ``user_len`` tokens; the first turn starts with a per-conversation system prompt.
   Turn ``k`` of every conversation comes before turn ``k+1`` of any (shuffled within a
-  round), so a conversation's turns arrive in order.
+  round), so a conversation's turns arrive in order. ``sigma`` > 0 makes lengths
+  heavy-tailed: each system prompt and each user message is drawn log-normal with median
+  ``system_len`` / ``user_len`` and shape ``sigma`` (p99 / median = exp(2.33 sigma): 10x at
+  sigma ~ 1), capped at ``max_len`` tokens; a conversation ends early once its next
+  prompt would pass ``max_len``.
 * ``mooncake``: replay of a Mooncake trace (JSONL: ``timestamp`` ms, ``input_length``,
   ``output_length``, ``hash_ids``). Each hash id maps to a fixed block of 512 token IDs
   drawn from ``(seed, id)``; the last block is cut to ``input_length``. Arrival time is
@@ -129,6 +133,8 @@ def multiturn(
     user_len: int = 128,
     output_len: int = 256,
     *,
+    sigma: float = 0.0,
+    max_len: int = 131_072,
     seed: int = 0,
     arrivals: str = "burst",
     rate: float = 0.0,
@@ -136,13 +142,24 @@ def multiturn(
     """Multi-turn chats whose every turn extends the previous one (see module docstring)."""
     if conversations < 1 or turns < 1:
         raise ValueError("conversations and turns must be >= 1")
+    if sigma < 0 or max_len < 1:
+        raise ValueError("sigma must be >= 0 and max_len >= 1")
     rng = np.random.default_rng([seed, 2])
-    history = [_draw(rng, system_len) for _ in range(conversations)]
+
+    def length(median: int) -> int:
+        if sigma == 0:
+            return median
+        return int(min(max_len, max(1, round(median * rng.lognormal(0.0, sigma)))))
+
+    history = [_draw(rng, length(system_len)) for _ in range(conversations)]
     out: list[Request] = []
     for _turn in range(turns):
         order = rng.permutation(conversations).tolist()
         for c in order:
-            prompt = np.concatenate((history[c], _draw(rng, user_len)))
+            user = length(user_len)
+            if sigma and len(history[c]) + user > max_len:
+                continue  # this conversation has outgrown the context
+            prompt = np.concatenate((history[c], _draw(rng, user)))
             out.append(Request(0.0, prompt, output_len, c))
             # The next turn carries this turn's answer (what the model said) in its prompt.
             history[c] = np.concatenate((prompt, _draw(rng, output_len)))

@@ -13,6 +13,7 @@ from kvroute.routing.policies.base import Decision, NoWorkerError, Policy, Route
 
 POLICY_NAMES = (
     "cache_aware",
+    "min_ttft",
     "round_robin",
     "random",
     "power_of_two",
@@ -30,7 +31,9 @@ def create_policy(name: str, index: PrefixIndex, **settings: Any) -> Policy:
     Settings: ``cache_threshold`` (0.3), ``balance_abs_threshold`` (64),
     ``balance_rel_threshold`` (1.5), ``prefix_hash_tokens`` (256),
     ``bounded_load_factor`` (1.25), ``worker_capacity`` (None: no saturation guard),
-    ``seed`` (None: random).
+    ``seed`` (None: random), ``load_metric`` ("work"; cache_aware's "least loaded":
+    predicted wait, or "requests": in-flight counts), ``router_temperature`` (0.0;
+    min_ttft's softmax temperature in seconds).
     """
     if name == "cache_aware":
         from kvroute.routing.policies.cache_aware import CacheAware
@@ -41,6 +44,15 @@ def create_policy(name: str, index: PrefixIndex, **settings: Any) -> Policy:
             balance_abs_threshold=settings.get("balance_abs_threshold", 64),
             balance_rel_threshold=settings.get("balance_rel_threshold", 1.5),
             worker_capacity=settings.get("worker_capacity"),
+            load_metric=settings.get("load_metric", "work"),
+        )
+    if name == "min_ttft":
+        from kvroute.routing.policies.min_ttft import MinTtft
+
+        return MinTtft(
+            index,
+            temperature=settings.get("router_temperature", 0.0),
+            seed=settings.get("seed"),
         )
     if name == "round_robin":
         from kvroute.routing.policies.round_robin import RoundRobin

@@ -6,34 +6,65 @@ from collections.abc import Iterable, Mapping
 
 from kvroute.routing.policies.base import NoWorkerError
 
+# Predicted times closer than this are a tie: the model is not that precise, and a
+# few-token partial match (``"group 1..."`` vs ``"group 2..."``) must not send every
+# new prefix to the same worker.
+TIE_ABS_S = 0.001
+TIE_REL = 0.02
+
+
+def tie_window(best: float) -> float:
+    """How far above the best predicted time a worker still ties with it."""
+    return max(TIE_ABS_S, TIE_REL * best)
+
 
 class TieBreaker:
     """Least-loaded choice whose ties rotate instead of always naming the first worker.
 
     With an idle fleet every worker ties at load 0; picking the first one would send
-    every new prefix to the same worker (a weakness seen in other routers). Among tied
-    workers the one chosen longest ago wins, so successive new prefixes land on
-    different workers. The rotation is per worker, not a shared cursor: requests for
-    different models tie over different sets of workers, and a cursor advanced by one
-    set would fall into step with the other's order (every request of one model on one
-    worker of its set).
+    every new prefix to the same worker (a weakness seen in other routers).
+
+    ``per_worker`` (the default): among tied workers the one chosen longest ago wins,
+    so successive new prefixes land on different workers. The rotation is per worker,
+    not a shared cursor: requests for different models tie over different sets of
+    workers, and a cursor advanced by one set falls into step with the other's order
+    (every request of one model on one worker of its set). ``per_worker=False``: one
+    cursor walks whatever set is tied (the rotation of earlier kvroute versions, kept
+    for ``--load-metric requests``, whose decisions must stay exactly as they were).
     """
 
-    __slots__ = ("_last", "_turn")
+    __slots__ = ("_last", "_turn", "per_worker")
 
-    def __init__(self) -> None:
+    def __init__(self, per_worker: bool = True) -> None:
+        self.per_worker = per_worker
         self._turn = 0
         self._last: dict[str, int] = {}
 
-    def least_loaded(self, loads: Mapping[str, int], among: Iterable[str] | None = None) -> str:
+    def least_loaded(
+        self, loads: Mapping[str, int] | Mapping[str, float], among: Iterable[str] | None = None
+    ) -> str:
         candidates = list(loads) if among is None else [w for w in among if w in loads]
         if not candidates:
             raise NoWorkerError("no healthy worker")
         best = min(loads[w] for w in candidates)
+        self._turn += 1
+        if not self.per_worker:
+            tied = [w for w in candidates if loads[w] == best]
+            return tied[self._turn % len(tied)]
         last = self._last
         choice = min((w for w in candidates if loads[w] == best), key=lambda w: last.get(w, -1))
-        self._turn += 1
         last[choice] = self._turn
         if len(last) > 4096:  # workers that left long ago
             self._last = {w: t for w, t in last.items() if w in loads}
         return choice
+
+    def least_by(self, scores: Mapping[str, float], loads: Mapping[str, int]) -> str:
+        """The worker of lowest score (a predicted time); among scores within the tie
+        window of the best (``tie_window``), the fewest requests in flight (their
+        decode will compete for slots later), then rotation."""
+        if not scores:
+            raise NoWorkerError("no healthy worker")
+        best = min(scores.values())
+        tie = tie_window(best)
+        tied = {w: loads.get(w, 0) for w, t in scores.items() if t - best <= tie}
+        return self.least_loaded(tied)

@@ -68,6 +68,9 @@ class Decision:
     precise: bool = False
     # Set when the policy keeps state for the request until ``on_done`` (precise mode).
     ticket: str | None = None
+    # Prompt tokens the chosen worker is predicted to hold (None: the policy did not look;
+    # the caller then takes ``matched_tokens``). The work model reserves the rest.
+    cached_tokens: int | None = None
 
 
 class Policy(ABC):

@@ -34,6 +34,19 @@ the next request with the same prefix would miss it. Until a request ends (the r
 calls ``on_done``), its prompt is also kept in a small index of pending prompts, and a
 trusted worker's match is the longer of what it reports and what is pending on it.
 
+Load metric (``load_metric``, ``--load-metric``). ``requests`` is the rule above,
+exactly, ties rotating with one cursor as earlier versions did. ``work`` (default) keeps
+the two thresholds on request counts, as SGLang compares them, but wherever a
+*least-loaded* worker is chosen (imbalanced fleet, a miss, ties among the longest-match
+holders, the guard's alternative) it takes the worker with the least predicted time to
+first token for this request (``kvroute.routing.load``: queued prefill tokens and this
+request's uncached tokens there over the worker's learned prefill rate, plus the wait
+for a slot), so a worker with one 100k-token prompt queued is no longer "as loaded" as
+one with a 200-token prompt, and a slow worker is seen as slow; equal predictions go to
+the fewer requests in flight, then rotate. The saturation guard fires on the same count
+test, and then moves the request only to a worker predicted to answer sooner than the
+full holder.
+
 Corrections to SGLang's version: min/max over healthy workers only; ties between
 equally good workers go to the least loaded and then rotate (no "first worker wins",
 which piles every new prefix onto one worker at low load); if the workers holding the
@@ -46,6 +59,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from kvroute._native import PrefixIndex
+from kvroute.routing.load import LoadModel
 from kvroute.routing.policies._common import TieBreaker
 from kvroute.routing.policies.base import Decision, NoWorkerError, Policy, Reason, RouteRequest
 
@@ -67,8 +81,16 @@ class CacheAware(Policy):
         balance_abs_threshold: int = 64,
         balance_rel_threshold: float = 1.5,
         worker_capacity: int | None = None,
+        load_metric: str = "work",
     ) -> None:
+        if load_metric not in ("requests", "work"):
+            raise ValueError("load metric must be requests or work")
         self.index = index
+        self.load_metric = load_metric
+        # The work model (shared with the caller, who reserves into it); requests: unused.
+        self.work: LoadModel | None = LoadModel() if load_metric == "work" else None
+        if self.work is not None:
+            self.work.fixed_capacity = worker_capacity
         self.cache_threshold = cache_threshold
         self.balance_abs = balance_abs_threshold
         self.balance_rel = balance_rel_threshold
@@ -77,7 +99,7 @@ class CacheAware(Policy):
         self.capacities: Mapping[str, int] = {}
         # Per worker: requests its engine holds that this router did not send.
         self.others: Mapping[str, int] = {}
-        self._ties = TieBreaker()
+        self._ties = TieBreaker(per_worker=load_metric != "requests")
         self.precise: PreciseSource | None = None
         # Prompts routed and not yet ended, one pseudo-worker "<worker>\0<n>" each.
         self._pending = PrefixIndex(None)
@@ -85,7 +107,7 @@ class CacheAware(Policy):
 
     def _precise_match(
         self, tokens: Sequence[int], loads: Mapping[str, int]
-    ) -> tuple[int, list[str]] | None:
+    ) -> tuple[int, list[str], dict[str, int]] | None:
         """Best match over healthy workers mixing event-fed and predicted state, or None
         when no worker is in precise mode."""
         if self.precise is None:
@@ -100,7 +122,7 @@ class CacheAware(Policy):
             if w in trusted and n > per.get(w, -1) and w in loads:
                 per[w] = n
         best = max(per.values(), default=0)
-        return best, [w for w, m in per.items() if m == best and m > 0]
+        return best, [w for w, m in per.items() if m == best and m > 0], per
 
     def select(self, request: RouteRequest, loads: Mapping[str, int]) -> Decision:
         if not loads:
@@ -108,12 +130,18 @@ class CacheAware(Policy):
         tokens = request.tokens
         lo = min(loads.values())
         hi = max(loads.values())
-        if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
-            return self._record(Decision(self._ties.least_loaded(loads), "imbalance"), tokens)
         n = len(tokens)
+        matches: dict[str, int] | None = None
+        if self.work is not None:
+            matches = self.index.match(tokens) if n else {}
+        if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
+            worker = self._least(loads, None, n, matches)
+            return self._record(self._decision(worker, "imbalance", 0, matches), tokens)
         precise = self._precise_match(tokens, loads) if n else None
         if precise is not None:
-            matched, healthy = precise
+            matched, healthy, per = precise
+            if matches is not None:
+                matches = per
         else:
             matched, holders = self.index.longest_match(tokens) if n else (0, [])
             healthy = [w for w in holders if w in loads]
@@ -127,19 +155,57 @@ class CacheAware(Policy):
                 matched = 0
         reason: Reason
         if n and healthy and matched / n > self.cache_threshold:
-            worker = self._ties.least_loaded(loads, healthy)
+            worker = self._least(loads, healthy, n, matches)
             reason = "cache_hit"
             if self._full(worker, loads):
                 free = [w for w in loads if not self._full(w, loads)]
                 if free:
-                    worker = self._ties.least_loaded(loads, free)
-                    reason = "overflow"
-                    matched = 0
+                    alt = self._least(loads, free, n, matches)
+                    if self._sooner(alt, worker, n, matches):
+                        worker = alt
+                        reason = "overflow"
+                        matched = 0
         else:
-            worker = self._ties.least_loaded(loads)
+            worker = self._least(loads, None, n, matches)
             reason = "cache_miss"
             matched = 0 if worker not in healthy else matched
-        return self._record(Decision(worker, reason, matched, precise=precise is not None), tokens)
+        decision = self._decision(worker, reason, matched, matches)
+        decision.precise = precise is not None
+        return self._record(decision, tokens)
+
+    def _decision(
+        self, worker: str, reason: Reason, matched: int, matches: dict[str, int] | None
+    ) -> Decision:
+        """The decision; in work mode it carries what the chosen worker is predicted to
+        hold (its own match, whatever the reason), for the work reservation."""
+        d = Decision(worker, reason, matched)
+        if matches is not None:
+            d.cached_tokens = matches.get(worker, 0)
+        return d
+
+    def _least(
+        self,
+        loads: Mapping[str, int],
+        among: Sequence[str] | None,
+        n: int,
+        matches: dict[str, int] | None,
+    ) -> str:
+        """Least loaded: by request count (``requests``) or by this request's predicted
+        TTFT (``work``); exact ties rotate."""
+        work = self.work
+        if work is None or matches is None:
+            return self._ties.least_loaded(loads, among)
+        candidates = list(loads) if among is None else [w for w in among if w in loads]
+        ttft = {w: work.ttft(w, n - matches.get(w, 0), matches.get(w, 0)) for w in candidates}
+        return self._ties.least_by(ttft, loads)
+
+    def _sooner(self, alt: str, holder: str, n: int, matches: dict[str, int] | None) -> bool:
+        """Guard: does moving off the full ``holder`` to ``alt`` pay? (always, on counts)"""
+        work = self.work
+        if work is None or matches is None:
+            return True
+        m_alt, m_holder = matches.get(alt, 0), matches.get(holder, 0)
+        return work.ttft(alt, n - m_alt, m_alt) < work.ttft(holder, n - m_holder, m_holder)
 
     def _record(self, decision: Decision, tokens: Sequence[int]) -> Decision:
         """The chosen worker now holds ``tokens`` (predicted; pending in precise mode)."""

@@ -1,0 +1,110 @@
+"""min_ttft: send each request where its first token is predicted to come back soonest.
+
+For every healthy worker ``w`` the policy asks the work model (``kvroute.routing.load``)::
+
+    uncached(w) = request tokens - tokens of its prefix the index predicts w holds
+    ttft(w)     = (prefill work queued on w + uncached(w)) / w's learned prefill rate
+                  + slot wait on w (decode interference: no free slot until a running
+                  request ends)
+
+and picks the minimum. A long match lowers ``uncached`` and so wins while the holder's
+queue is short; once the queue ahead of it costs more than the prefill its cache saves,
+a faster or idler worker wins and starts to hold the prefix too. Nothing compares request
+counts: a 100,000-token prompt weighs what it costs, and a slower worker (learned rate)
+gets proportionally less work.
+
+Ties (predictions within 1 ms or 2% of the best: the model is not more precise than
+that): the longer match, when it saves more than that window of prefill time (a
+few-token partial match such as a shared "Group " before different prompts must not
+send every new prefix to one worker), then the fewer requests in flight (their decode
+will compete for slots later), then rotation (never "first worker wins").
+
+``temperature`` > 0 (``--router-temperature``, seconds): sample a worker with
+probability proportional to exp(-(ttft - best) / T) instead, which spreads a burst that
+arrives between two load updates; 0 (default) is deterministic.
+
+The request's tokens are inserted into the index for the chosen worker (as cache_aware
+does); the caller reserves the predicted work (``LoadModel.reserve``) in the same step,
+so the next decision already sees it. Reasons: ``cache_hit`` (the chosen worker holds
+the longest match), ``overflow`` (a worker with a longer match was passed over because
+its queue costs more than the prefill it saves), ``cache_miss`` (no worker holds any of
+the prompt).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+
+from kvroute._native import PrefixIndex
+from kvroute.routing.load import LoadModel
+from kvroute.routing.policies._common import TieBreaker, tie_window
+from kvroute.routing.policies.base import Decision, NoWorkerError, Policy, Reason, RouteRequest
+
+
+class MinTtft(Policy):
+    name = "min_ttft"
+
+    def __init__(
+        self, index: PrefixIndex, *, temperature: float = 0.0, seed: int | None = None
+    ) -> None:
+        if temperature < 0:
+            raise ValueError("router temperature must be >= 0")
+        self.index = index
+        self.temperature = temperature
+        self.work = LoadModel()  # the caller shares its own (state / simulator)
+        self._rng = random.Random(seed)
+        self._ties = TieBreaker()
+
+    def select(self, request: RouteRequest, loads: Mapping[str, int]) -> Decision:
+        if not loads:
+            raise NoWorkerError("no healthy worker")
+        tokens = request.tokens
+        n = len(tokens)
+        matches = self.index.match(tokens) if n else {}
+        work = self.work
+        scored = [
+            (work.ttft(w, n - matches.get(w, 0), matches.get(w, 0)), -matches.get(w, 0), w)
+            for w in loads
+        ]
+        if self.temperature > 0 and len(scored) > 1:
+            worker = self._sample(scored)
+        else:
+            best_t = min(s[0] for s in scored)
+            tie = tie_window(best_t)
+            near = [s for s in scored if s[0] - best_t <= tie]
+            # Prefill time each near worker's match saves; a longer match wins only
+            # by more than the tie window.
+            saved = {w: -m / work.prefill_rate(w) for _, m, w in near}
+            most = max(saved.values())
+            worker = self._ties.least_loaded(
+                {w: loads[w] for w, s in saved.items() if most - s <= tie}
+            )
+        matched = matches.get(worker, 0)
+        longest = max(matches.values(), default=0) if matches else 0
+        reason: Reason
+        if longest == 0:
+            reason = "cache_miss"
+        elif matched >= longest:
+            reason = "cache_hit"
+        else:
+            reason = "overflow"
+        if n:
+            self.index.insert(worker, tokens)
+        return Decision(worker, reason, matched, cached_tokens=matched)
+
+    def _sample(self, scored: Sequence[tuple[float, int, str]]) -> str:
+        best = min(s[0] for s in scored)
+        weights = [math.exp(-(t - best) / self.temperature) for t, _, _ in scored]
+        return self._rng.choices([w for _, _, w in scored], weights)[0]
+
+    def on_worker_added(self, worker: str) -> None:
+        self.index.add_worker(worker)
+        self.work.add_worker(worker)
+
+    def on_worker_removed(self, worker: str) -> None:
+        self.index.remove_worker(worker)
+
+    def clear(self) -> None:
+        self.index.clear()

@@ -1,0 +1,163 @@
+"""The work model (kvroute.routing.load): reservations, prediction, learned speed."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvroute.routing.load import (
+    PRIOR_PREFILL_TPS,
+    LoadModel,
+    ResistantLine,
+    max_tokens_of,
+)
+
+
+def totals(model: LoadModel, worker: str) -> tuple[int, int, int]:
+    st = model.workers[worker]
+    return st.prefill_tokens, st.requests, st.decode_tokens
+
+
+def test_reservations_release_exactly_once_in_two_parts() -> None:
+    m = LoadModel()
+    a = m.reserve("w", 1000, 50, now=0.0)
+    b = m.reserve("w", 300, 20, now=0.0)
+    assert totals(m, "w") == (1300, 2, 70)
+    a.first_byte(0.1)
+    a.first_byte(0.2)  # once only
+    assert totals(m, "w") == (300, 2, 70)
+    a.end(1.0)
+    a.end(2.0)
+    assert totals(m, "w") == (300, 1, 20)
+    b.end(0.5)  # ended without a first byte (failure): its prefill part goes too
+    b.first_byte(0.6)  # too late: nothing
+    assert totals(m, "w") == (0, 0, 0)
+
+
+def test_prediction_counts_queued_work_ahead_and_own_tokens() -> None:
+    m = LoadModel()
+    idle = m.ttft("w", 1500)
+    assert idle == pytest.approx(1500 / PRIOR_PREFILL_TPS)
+    m.reserve("w", 30_000, 10, now=0.0)  # one long prompt queued (half done: the head)
+    m.reserve("w", 15_000, 10, now=0.0)
+    expect = (15_000 + 15_000 + 1500) / PRIOR_PREFILL_TPS
+    assert m.ttft("w", 1500) == pytest.approx(expect)
+    # Many short requests weigh what they cost, not what they count.
+    for _ in range(10):
+        m.reserve("v", 100, 10, now=0.0)
+    assert m.ttft("v", 1500) < m.ttft("w", 1500)
+
+
+def test_a_full_worker_adds_the_wait_for_a_slot() -> None:
+    m = LoadModel()
+    m.fixed_capacity = 2
+    m.reserve("w", 10, 100, now=0.0)
+    assert m.slot_wait("w") == 0.0
+    m.reserve("w", 10, 100, now=0.0)
+    one = m.slot_wait("w")
+    assert one > 0
+    m.reserve("w", 10, 100, now=0.0)
+    assert m.slot_wait("w") == pytest.approx(2 * one)
+    # Requests the engine holds beyond ours count too (other routers, bypass).
+    m.others = {"v": 2}
+    m.reserve("v", 10, 100, now=0.0)
+    assert m.slot_wait("v") > 0
+
+
+def test_engine_readings_add_others_waiting_work_and_a_full_kv_cache() -> None:
+    m = LoadModel()
+    for _ in range(4):
+        m.reserve("w", 1000, 10, now=0.0).end(0.1)  # mean uncached size learned
+    before = m.ttft("w", 100)
+    m.observe_engine("w", running=3, waiting=5)  # 5 waiting, none of them ours
+    assert m.ttft("w", 100) > before
+    m.observe_engine("v", running=4, waiting=0, kv_usage=0.99)
+    m.reserve("v", 10, 100, now=0.0)
+    assert m.slot_wait("v") == 0.0  # 1 of ours, the engine says its cache admits 4
+    for _ in range(4):
+        m.reserve("v", 10, 100, now=0.0)
+    assert m.slot_wait("v") > 0
+
+
+def synthetic_worker(m: LoadModel, worker: str, tps: float, overhead: float, n: int) -> None:
+    """Requests one at a time on a worker with TTFT = overhead + tokens / tps, a tenth
+    of them delayed by a second (a stall the estimator must shrug off)."""
+    rng = random.Random(1)
+    t = 0.0
+    for i in range(n):
+        tokens = rng.randint(100, 8000)
+        ticket = m.reserve(worker, tokens, 10, now=t)
+        ttft = overhead + tokens / tps + (1.0 if i % 10 == 3 else 0.0)
+        ticket.first_byte(t + ttft)
+        ticket.end(t + ttft + 0.2, output_tokens=11)
+        t += 5.0
+
+
+def test_learned_prefill_speed_converges_on_a_synthetic_worker() -> None:
+    m = LoadModel()
+    synthetic_worker(m, "w", tps=4000.0, overhead=0.05, n=60)
+    snap = m.snapshot("w")
+    assert snap["prefill_tokens_per_s"] == pytest.approx(4000.0, rel=0.02)
+    assert snap["prefill_overhead_ms"] == pytest.approx(50.0, rel=0.05)
+    assert snap["decode_ms_per_token"] == pytest.approx(20.0, rel=0.01)
+    assert m.ttft("w", 2000) == pytest.approx(0.05 + 0.5, rel=0.03)
+
+
+def test_a_heterogeneous_fleet_is_told_apart() -> None:
+    m = LoadModel()
+    synthetic_worker(m, "fast", tps=20_000.0, overhead=0.01, n=40)
+    synthetic_worker(m, "slow", tps=10_000.0, overhead=0.01, n=40)
+    fast, slow = m.prefill_rate("fast"), m.prefill_rate("slow")
+    assert fast == pytest.approx(20_000, rel=0.03)
+    assert slow == pytest.approx(10_000, rel=0.03)
+    assert m.ttft("slow", 10_000) > 1.8 * m.ttft("fast", 10_000)
+
+
+def test_before_enough_samples_the_prior_holds_and_memory_is_bounded() -> None:
+    line = ResistantLine(1 / 15_000, window=8)
+    line.observe(1000, 0.5)
+    assert line.slope == 1 / 15_000
+    for i in range(100):
+        line.observe(1000 + i, 0.5)
+    assert line.samples == 8
+    # Samples at one size cannot split slope from intercept: the slope is kept.
+    assert line.slope == 1 / 15_000
+
+
+def test_prefill_is_learned_only_from_requests_that_ran_alone() -> None:
+    m = LoadModel()
+    first = m.reserve("w", 5000, 10, now=0.0)
+    second = m.reserve("w", 5000, 10, now=0.0)  # queued behind the first
+    first.first_byte(1.0)
+    second.first_byte(2.0)
+    first.end(3.0)
+    second.end(3.0)
+    assert m.workers["w"].prefill.samples == 1
+
+
+def test_prefill_is_learned_from_what_the_engine_reports_it_had_cached() -> None:
+    """The index predicted all but 100 tokens cached but the engine had evicted them:
+    the samples count the tokens really prefilled, so the worker is not seen as slow."""
+    m = LoadModel()
+    for i in range(12):
+        real = 2000 + 500 * i
+        t = m.reserve("w", 100, 10, now=10.0 * i)
+        t.first_byte(10.0 * i + real / 10_000)
+        t.reported_uncached = real
+        t.end(10.0 * i + 1)
+    assert m.prefill_rate("w") == pytest.approx(10_000, rel=0.01)
+
+
+def test_max_tokens_of_request_bodies() -> None:
+    assert max_tokens_of({"max_tokens": 40}) == 40
+    assert max_tokens_of({"max_completion_tokens": 7, "max_tokens": 40}) == 7
+    assert max_tokens_of({"sampling_params": {"max_new_tokens": 9}}) == 9
+    assert max_tokens_of({"max_tokens": True}) is None
+    assert max_tokens_of({"max_tokens": -3}) is None
+    assert max_tokens_of({}) is None
+    m = LoadModel()
+    assert m.expected_output(None) == 256  # the prior mean
+    for _ in range(200):
+        m.observe_output(50)
+    assert m.expected_output(None) == pytest.approx(50, abs=1)

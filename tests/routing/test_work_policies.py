@@ -1,0 +1,117 @@
+"""min_ttft and cache_aware on the work metric: decisions on predicted time to first
+token instead of request counts."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from kvroute._native import PrefixIndex
+from kvroute.routing.load import LoadModel
+from kvroute.routing.policies import RouteRequest, create_policy
+
+WORKERS = ("a", "b", "c")
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return [(seed * 1_000_003 + i * 7919) % 150_000 for i in range(n)]
+
+
+def setup(name: str, **kw: object) -> tuple[object, LoadModel]:
+    pol = create_policy(name, PrefixIndex(None), seed=0, **kw)
+    model = LoadModel()
+    model.fixed_capacity = kw.get("worker_capacity")  # type: ignore[assignment]
+    pol.work = model  # type: ignore[attr-defined]
+    for w in WORKERS:
+        pol.on_worker_added(w)
+    return pol, model
+
+
+def test_min_ttft_follows_the_cache_until_its_queue_costs_more() -> None:
+    pol, model = setup("min_ttft")
+    prompt = tokens(1, 4000)
+    pol.index.insert("a", prompt[:3800])  # type: ignore[attr-defined]
+    loads = dict.fromkeys(WORKERS, 0)
+    d = pol.select(RouteRequest(prompt), loads)  # type: ignore[attr-defined]
+    assert (d.worker, d.reason, d.matched_tokens) == ("a", "cache_hit", 3800)
+    # a now has a long prompt queued: 200 uncached tokens behind 20k is slower than 4000
+    # uncached tokens on an idle worker.
+    model.reserve("a", 20_000, 10, now=0.0)
+    d = pol.select(RouteRequest(prompt), loads)  # type: ignore[attr-defined]
+    assert d.worker in ("b", "c") and d.reason == "overflow"
+    assert d.cached_tokens == 0
+
+
+def test_min_ttft_ties_go_to_the_longer_match_then_fewer_requests() -> None:
+    pol, model = setup("min_ttft")
+    prompt = tokens(2, 1000)
+    loads = {"a": 3, "b": 0, "c": 1}
+    d = pol.select(RouteRequest(prompt), loads)  # type: ignore[attr-defined]
+    assert (d.worker, d.reason) == ("b", "cache_miss")  # all idle in work: fewest requests
+    # c holds half of a 2000-token prompt but has 1000 tokens of prefill ahead (the head
+    # counted half done): the same predicted TTFT as an idle worker; the match wins.
+    prompt = tokens(3, 2000)
+    pol.index.insert("c", prompt[:1000])  # type: ignore[attr-defined]
+    model.reserve("c", 1000, 1, now=0.0)
+    model.reserve("c", 500, 1, now=0.0)
+    assert model.ttft("c", 1000) == pytest.approx(model.ttft("a", 2000))
+    d = pol.select(RouteRequest(prompt), loads)  # type: ignore[attr-defined]
+    assert (d.worker, d.matched_tokens) == ("c", 1000)
+
+
+def test_min_ttft_prefers_the_faster_worker_it_learned() -> None:
+    pol, model = setup("min_ttft")
+    for w, tps in (("a", 5000.0), ("b", 20_000.0), ("c", 10_000.0)):
+        for i in range(12):
+            n = 500 + 400 * i
+            t = model.reserve(w, n, 1, now=0.0)
+            t.first_byte(n / tps)
+            t.end(n / tps)
+    got = Counter(
+        pol.select(RouteRequest(tokens(10 + i, 2000)), dict.fromkeys(WORKERS, 0)).worker  # type: ignore[attr-defined]
+        for i in range(5)
+    )
+    assert got == {"b": 5}
+
+
+def test_min_ttft_temperature_samples_near_ties() -> None:
+    pol, model = setup("min_ttft", router_temperature=1.0)
+    model.reserve("a", 1500, 1, now=0.0)  # a is 0.1 s worse than b and c: still chosen
+    got = Counter(
+        pol.select(RouteRequest(tokens(20 + i, 100)), dict.fromkeys(WORKERS, 0)).worker  # type: ignore[attr-defined]
+        for i in range(300)
+    )
+    assert set(got) == set(WORKERS)
+    assert got["a"] < got["b"] and got["a"] < got["c"]
+
+
+def test_cache_aware_work_miss_goes_to_least_predicted_wait_not_fewest_requests() -> None:
+    loads = {"a": 1, "b": 4, "c": 4}
+    prompt = tokens(3, 500)
+    pol, model = setup("cache_aware")
+    model.reserve("a", 100_000, 10, now=0.0)  # one huge prompt queued on a
+    for w in ("b", "c"):
+        for _ in range(4):
+            model.reserve(w, 200, 10, now=0.0)
+    d = pol.select(RouteRequest(prompt), loads)  # type: ignore[attr-defined]
+    assert d.worker in ("b", "c") and d.reason == "cache_miss"
+    # The request-count rule picks a, behind 100k tokens.
+    old = create_policy("cache_aware", PrefixIndex(None), load_metric="requests")
+    assert old.select(RouteRequest(prompt), loads).worker == "a"
+
+
+def test_cache_aware_work_guard_moves_only_to_a_sooner_worker() -> None:
+    pol, model = setup("cache_aware", worker_capacity=2)
+    prompt = tokens(4, 3000)
+    pol.index.insert("a", prompt)  # type: ignore[attr-defined]
+    loads = {"a": 2, "b": 0, "c": 0}  # a is full by count
+    model.reserve("a", 10, 5, now=0.0)
+    model.reserve("a", 10, 5, now=0.0)
+    # Its slots free soon (short outputs): waiting there beats a 3000-token prefill.
+    d = pol.select(RouteRequest(prompt), loads)  # type: ignore[attr-defined]
+    assert (d.worker, d.reason) == ("a", "cache_hit")
+    for _ in range(4):
+        model.reserve("a", 10, 5000, now=0.0)  # long decodes: a slot is far off
+    d = pol.select(RouteRequest(prompt), loads)  # type: ignore[attr-defined]
+    assert d.worker in ("b", "c") and d.reason == "overflow"

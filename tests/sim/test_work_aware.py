@@ -1,0 +1,139 @@
+"""Work-aware routing in the fleet simulator: the request-count rule is unchanged, work
+beats counts where prompt sizes differ, speeds are learned, and every reservation of
+predicted work comes back."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvroute.sim import workloads as wl
+from kvroute.sim.cost import CostModel
+from kvroute.sim.fleet import FleetConfig, heterogeneous, prepare, simulate
+from kvroute.sim.workloads import VOCAB, Request, with_arrivals
+
+GOLDEN = Path(__file__).resolve().parent.parent / "data" / "cache_aware_requests_decisions.json"
+
+
+def golden_cases() -> Iterator[tuple[str, list[Request], FleetConfig]]:
+    """Traces whose cache_aware decisions were recorded before the work model existed:
+    hits, misses, the saturation guard (learned capacities, engine polls) and imbalance."""
+    yield (
+        "gsp_zipf_poisson",
+        wl.gsp(48, 12, 1024, 64, 64, popularity="zipf", seed=3, arrivals="poisson", rate=60.0),
+        FleetConfig(
+            workers=6,
+            capacity_tokens=60_000,
+            cost=CostModel(max_batch=8),
+            learn_capacity=True,
+            policy_settings={"seed": 0},
+            engine_poll_s=1.0,
+        ),
+    )
+    yield (
+        "multiturn_burst",
+        wl.multiturn(24, 4, 512, 64, 64, seed=5),
+        FleetConfig(workers=4, capacity_tokens=40_000, policy_settings={"seed": 0}),
+    )
+    yield (
+        "gsp_imbalance",
+        wl.gsp(8, 40, 512, 32, 16, seed=1),
+        FleetConfig(
+            workers=4,
+            policy_settings={"seed": 0, "balance_abs_threshold": 4, "balance_rel_threshold": 1.2},
+        ),
+    )
+
+
+def test_requests_metric_reproduces_the_recorded_decisions_exactly() -> None:
+    gold = json.loads(GOLDEN.read_text())
+    for name, reqs, cfg in golden_cases():
+        cfg.policy_settings["load_metric"] = "requests"
+        row = simulate(prepare(reqs, cfg.block_size), "cache_aware", cfg, record=True)
+        assert row.extra["assigned"] == gold[name], name
+        assert row.extra["final_work"] == 0
+
+
+def heavy_tailed() -> list[Request]:
+    """No shared prefixes; every tenth prompt is 60k tokens (4 s of prefill), the rest
+    500 (0.04 s). A request count sees them alike."""
+    rng = np.random.default_rng(5)
+    reqs = [
+        Request(0.0, rng.integers(0, VOCAB, 60_000 if i % 10 == 0 else 500, dtype=np.uint32), 16, i)
+        for i in range(400)
+    ]
+    return with_arrivals(reqs, "poisson", 8.0, seed=1)
+
+
+def small_ttft_p50(policy: str, load_metric: str) -> float:
+    prep = prepare(heavy_tailed(), 16)
+    cfg = FleetConfig(workers=4, policy_settings={"seed": 0, "load_metric": load_metric})
+    row = simulate(prep, policy, cfg)
+    assert row.extra["final_work"] == 0
+    return row.ttft_p50  # 90% of requests are small: the median is a small one's
+
+
+# A small request's own prefill: 0.005 + 500 / 15000 s. Work-aware routing keeps the
+# small ones off workers busy with a long prompt, so the median stays near that.
+BOUND = 3 * (0.005 + 500 / 15_000)
+
+
+@pytest.mark.parametrize("policy", ["min_ttft", "cache_aware"])
+def test_work_keeps_short_prompts_from_queueing_behind_long_ones(policy: str) -> None:
+    assert small_ttft_p50(policy, "work") < BOUND
+
+
+def test_request_counts_queue_short_prompts_behind_long_ones() -> None:
+    """The same case with the load metric switched back to requests misses the bound
+    (the test above would fail with it)."""
+    assert small_ttft_p50("cache_aware", "requests") > 5 * BOUND
+
+
+def test_heterogeneous_fleet_speeds_are_learned_and_used() -> None:
+    reqs = wl.multiturn(60, 4, 800, 200, 32, sigma=1.5, seed=2, arrivals="poisson", rate=12.0)
+    prep = prepare(reqs, 16)
+    costs = heterogeneous(CostModel(), 4, 2, 0.5)
+    rows = {}
+    for policy, metric in (("min_ttft", "work"), ("cache_aware", "requests")):
+        cfg = FleetConfig(
+            workers=4,
+            worker_costs=costs,
+            learn_capacity=True,
+            policy_settings={"seed": 0, "load_metric": metric},
+        )
+        rows[policy] = row = simulate(prep, policy, cfg)
+        assert row.extra["final_work"] == 0
+    learned = rows["min_ttft"].extra["prefill_tokens_per_s_learned"]
+    assert learned[0:2] == pytest.approx([15_000, 15_000], rel=0.03)
+    assert learned[2:4] == pytest.approx([7_500, 7_500], rel=0.03)
+    assert rows["min_ttft"].ttft_p90 < 0.8 * rows["cache_aware"].ttft_p90
+    assert rows["min_ttft"].extra["ttft_mae_s"] < rows["min_ttft"].ttft_p50
+
+
+def test_heterogeneous_costs_must_name_every_worker() -> None:
+    cfg = FleetConfig(workers=3, worker_costs=heterogeneous(CostModel(), 2, 1, 0.5))
+    with pytest.raises(ValueError):
+        cfg.costs()
+
+
+def test_lognormal_chat_is_heavy_tailed() -> None:
+    reqs = wl.multiturn(200, 6, 800, 200, 200, sigma=1.8, seed=0)
+    lengths = np.array([len(r.tokens) for r in reqs])
+    assert np.percentile(lengths, 99) >= 10 * np.median(lengths)
+    assert lengths.max() <= 131_072
+    flat = wl.multiturn(4, 2, 800, 200, 200, seed=0)
+    assert {len(r.tokens) for r in flat} == {1000, 1400}
+
+
+def test_vllm_cpu_cost_model_matches_the_engine_measurements() -> None:
+    """ENGINE.md: cold ~580 ms, 90% shared prefix ~110 ms, same prompt ~55 ms (2,000
+    tokens, vLLM CPU block 128). The preset is a line through the first two."""
+    from kvroute.sim.cost import VLLM_CPU
+
+    assert VLLM_CPU.prefill_s(2000) == pytest.approx(0.580, abs=0.010)
+    assert VLLM_CPU.prefill_s(2000 - 1792) == pytest.approx(0.110, abs=0.010)
+    assert VLLM_CPU.prefill_s(2000 - 1920) == pytest.approx(0.055, abs=0.020)
