@@ -33,6 +33,7 @@ from kvroute.errors import (
     UnauthorizedError,
     error_response,
 )
+from kvroute.fleet.discovery import start_discovery
 from kvroute.fleet.health import health_loop
 from kvroute.routing.tokenization import PromptTokenizer
 from kvroute.service.fastpath import INFERENCE_PATHS, RouterApp
@@ -74,6 +75,7 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
         )
         state.forward = Forward(state.client, state.pools)
         task = asyncio.create_task(health_loop(state))
+        discovery = start_discovery(s, state.registry, state.pools.drop if state.pools else None)
         if state.subscriber is not None:
             await asyncio.to_thread(state.subscriber.start)
         try:
@@ -81,9 +83,11 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
         finally:
             if state.subscriber is not None:
                 await asyncio.to_thread(state.subscriber.stop)
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            for t in (task, discovery):
+                if t is not None:
+                    t.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await t
             await state.client.aclose()
 
     app = RouterApp(
