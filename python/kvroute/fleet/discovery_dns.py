@@ -37,21 +37,29 @@ class DnsSource:
             self.resolver.port = int(server_port)
         self.resolver.lifetime = timeout_s
         self.resolver.timeout = timeout_s
+        self.last: dict[tuple[str, str], list[str]] = {}  # (name, type) -> last answer
 
     async def _addresses(self, name: str) -> list[str]:
+        """A and AAAA addresses of ``name``. One family failing (some servers answer
+        REFUSED for a type they hold nothing of) keeps that family's last answer; both
+        failing raises DiscoveryError."""
         found: list[str] = []
-        nx = 0
+        errors: list[str] = []
         for rdtype in ("A", "AAAA"):
+            key = (name, rdtype)
             try:
                 answer = await self.resolver.resolve(name, rdtype, search=False)
-            except dns.resolver.NXDOMAIN:
-                nx += 1
-                continue
-            except dns.resolver.NoAnswer:
-                continue
+                got = [r.address for r in answer]
+            except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
+                got = []
             except dns.exception.DNSException as e:
-                raise DiscoveryError(f"{rdtype} {name}: {type(e).__name__}: {e}") from None
-            found.extend(r.address for r in answer)
+                errors.append(f"{rdtype} {name}: {type(e).__name__}")
+                log.debug("DNS discovery: %s %s: %s", rdtype, name, e)
+                got = self.last.get(key, [])
+            self.last[key] = got
+            found.extend(got)
+        if len(errors) == 2:
+            raise DiscoveryError("; ".join(errors))
         return found
 
     async def resolve(self) -> set[str]:
