@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from k8s_api import PATH, FakeKubeApi, endpoint_slice
 from kvroute.eval.procs import Server
 from kvroute.fleet.discovery_k8s import parse_selector, slice_urls
-from k8s_api import PATH, FakeKubeApi, endpoint_slice
 from support import start_router, worker_urls
 
 NS = "inference"

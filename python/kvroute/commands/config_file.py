@@ -54,7 +54,7 @@ def _is_switch(action: argparse.Action) -> bool:
     return action.nargs == 0
 
 
-def _scalar(action: argparse.Action, value: Any, from_text: bool) -> Any:
+def _scalar(action: argparse.Action, value: Any, from_text: bool, in_list: bool = False) -> Any:
     """One value as argparse would have produced it from the command line."""
     kind = action.type
     if isinstance(value, bool) and not from_text:
@@ -64,7 +64,7 @@ def _scalar(action: argparse.Action, value: Any, from_text: bool) -> Any:
     if kind is float and not from_text and not isinstance(value, int | float):
         raise ValueError(f"expected a number, got {value!r}")
     if kind is None and not isinstance(value, str):
-        if isinstance(value, int | float):
+        if isinstance(value, int | float) and not in_list:
             value = str(value)  # e.g. worker-capacity = 16 for "16"
         else:
             raise ValueError(f"expected a string, got {value!r}")
@@ -103,7 +103,7 @@ def convert(action: argparse.Action, value: Any, *, from_text: bool) -> Any:
             items = value
         else:
             items = [value]
-        return [_scalar(action, v, from_text) for v in items]
+        return [_scalar(action, v, from_text, in_list=True) for v in items]
     return _scalar(action, value, from_text)
 
 
