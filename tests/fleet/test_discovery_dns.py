@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(
 class Dnsmasq:
     """dnsmasq answering from one hosts file only, on 127.0.0.1:port."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, *extra: str) -> None:
         self.hosts = tmp / "hosts"
         self.port = free_port()
         self.set_addresses([])
@@ -54,6 +54,7 @@ class Dnsmasq:
                 "--pid-file=",
                 f"--user={getpass.getuser()}",
                 "--log-facility=-",
+                *extra,
             ],
             stdout=self.log,
             stderr=subprocess.STDOUT,
@@ -205,3 +206,46 @@ def test_router_follows_dns_answers_and_drains_without_client_errors(
     assert received(a) == a_total, "a drained worker got new requests"
     assert load.errors == [], load.errors[:5]
     assert load.ok > 50
+
+
+def test_srv_name_gives_targets_and_ports(tmp_path: Path, processes: list[Server]) -> None:
+    """SRV: each record's target resolved to addresses, on the record's port (no
+    --worker-port); a target's address change is followed."""
+    srv = "_http._tcp.workers.kvroute.test"
+    d = Dnsmasq(
+        tmp_path,
+        f"--srv-host={srv},w1.kvroute.test,8001",
+        f"--srv-host={srv},w2.kvroute.test,8002",
+    )
+    try:
+        d.hosts.write_text(
+            "127.0.0.9 probe.kvroute.test\n127.0.0.2 w1.kvroute.test\n127.0.0.3 w2.kvroute.test\n"
+        )
+        d.reload()
+        router = start_router(
+            [],
+            tmp_path,
+            "--service-discovery",
+            "dns",
+            "--dns-name",
+            srv,
+            "--dns-server",
+            d.server,
+            "--dns-interval-secs",
+            "0.2",
+        )
+        processes.append(router)
+        wait_for(
+            "the SRV answer",
+            lambda: worker_urls(router) == {"http://127.0.0.2:8001", "http://127.0.0.3:8002"},
+        )
+        d.hosts.write_text(
+            "127.0.0.9 probe.kvroute.test\n127.0.0.2 w1.kvroute.test\n127.0.0.4 w2.kvroute.test\n"
+        )
+        d.reload()
+        wait_for(
+            "the new target address",
+            lambda: worker_urls(router) == {"http://127.0.0.2:8001", "http://127.0.0.4:8002"},
+        )
+    finally:
+        d.stop()
