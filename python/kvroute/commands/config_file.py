@@ -22,6 +22,7 @@ settings as TOML (a valid config file), secrets masked.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import tomllib
 from collections.abc import Callable, Sequence
@@ -230,7 +231,7 @@ class Layered:
         where = [
             f"{self.actions[d].option_strings[0]} set by {src}"
             for d, src in self.sources.items()
-            if src != "default" and src != "flag" and self.actions[d].option_strings[0] in message
+            if src not in ("default", "flag") and _names(message, self.actions[d].option_strings[0])
         ]
         return message + (f" ({'; '.join(where)})" if where else "")
 
@@ -245,6 +246,11 @@ class Layered:
             shown = MASK if is_secret(dest) else value
             lines.append(f"{key} = {_toml(shown)}  # {self.sources[dest]}")
         return "\n".join(lines) + "\n"
+
+
+def _names(message: str, flag: str) -> bool:
+    """``flag`` appears in ``message`` as a whole flag (``--port``, not ``--port-x``)."""
+    return re.search(re.escape(flag) + r"(?![\w-])", message) is not None
 
 
 def _toml(value: Any) -> str:
