@@ -332,11 +332,12 @@ def run(args: argparse.Namespace) -> int:
             "engine's tokens (prefixes still line up; match lengths are in bytes)"
         )
     log.info(
-        "kvroute on http://%s:%d, policy %s, %d worker(s)",
+        "kvroute on http://%s:%d, policy %s, %d worker(s), discovery %s",
         settings.host,
         settings.port,
         settings.policy,
         len(settings.worker_urls),
+        settings.service_discovery,
     )
     serve(app, settings)
     return 0
