@@ -46,3 +46,31 @@ def records(worker: Server) -> list[dict[str, object]]:
 
 def control(worker: Server, **kw: object) -> None:
     httpx.post(worker.url + "/control", json=kw, timeout=5).raise_for_status()
+
+
+def start_sim_worker_at(host: str, port: int, log_dir: Path, *flags: str) -> Server:
+    """A ``kvroute sim-worker`` on ``host:port`` (e.g. 127.0.0.2: every 127.0.0.0/8
+    address is local on Linux, so several workers can share one port)."""
+    import subprocess
+
+    from kvroute.eval.procs import wait_healthy
+
+    argv = kvroute_argv("sim-worker", "--host", host, "--port", str(port), *flags)
+    log_path = log_dir / f"sim-{host}-{port}.log"
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+    server = Server(f"sim-{host}", f"http://{host}:{port}", proc, str(log_path))
+    try:
+        wait_healthy(server.url, proc=proc)
+    except BaseException:
+        server.stop(grace_s=2.0)
+        raise
+    return server
+
+
+def worker_urls(router: Server) -> set[str]:
+    """The workers a router lists right now."""
+    r = httpx.get(router.url + "/workers", timeout=5)
+    return {w["url"] for w in r.json()}

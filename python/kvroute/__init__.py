@@ -16,7 +16,8 @@ it back (``tests/test_architecture.py`` checks both).
 ``fleet/``
     The workers as the router sees them: ``registry`` (load reservations, health state,
     circuit breaker), ``health`` (active checks, engines' load read after them),
-    ``engine_load`` (parsing engines' /metrics, learned capacities).
+    ``engine_load`` (parsing engines' /metrics, learned capacities), ``discovery``
+    (DNS / Kubernetes sources, ``reconcile``: new workers join, vanished ones drain).
 ``routing/``
     How a worker is chosen: ``policies/`` (one module per policy; ``cache_aware`` is the
     default), ``load`` (the work model: prefill and decode in flight per worker, learned

@@ -12,6 +12,8 @@ from urllib.parse import urlsplit
 
 from kvroute.routing.policies import POLICY_NAMES
 
+DISCOVERY_MODES = ("static", "dns", "k8s")
+
 
 class ConfigError(ValueError):
     """A setting is invalid; the message says which and why."""
@@ -69,6 +71,14 @@ def parse_worker_models(spec: str) -> tuple[str, list[str]]:
 @dataclass
 class Settings:
     worker_urls: list[str] = field(default_factory=list)
+    # Service discovery (kvroute.fleet.discovery): the fleet follows DNS or Kubernetes.
+    service_discovery: str = "static"
+    dns_name: str | None = None
+    dns_server: str | None = None
+    dns_interval_secs: float = 10.0
+    selector: str | None = None
+    namespace: str | None = None
+    worker_port: int | None = None
     policy: str = "cache_aware"
     host: str = "127.0.0.1"
     port: int = 30000
@@ -121,6 +131,7 @@ class Settings:
         self.worker_urls = [normalize_worker_url(u) for u in self.worker_urls]
         if len(set(self.worker_urls)) != len(self.worker_urls):
             raise ConfigError("--worker-urls lists the same URL twice")
+        self._validate_discovery()
         if self.policy not in POLICY_NAMES:
             raise ConfigError(
                 f"unknown policy {self.policy!r}; choose one of: {', '.join(POLICY_NAMES)}"
@@ -185,6 +196,33 @@ class Settings:
         if self.log_level.lower() not in ("debug", "info", "warning", "warn", "error", "critical"):
             raise ConfigError(f"unknown --log-level {self.log_level!r}")
         return self
+
+    def _validate_discovery(self) -> None:
+        mode = self.service_discovery
+        if mode not in DISCOVERY_MODES:
+            raise ConfigError(
+                f"unknown --service-discovery {mode!r}; choose one of: {', '.join(DISCOVERY_MODES)}"
+            )
+        if self.worker_port is not None and not 0 < self.worker_port < 65536:
+            raise ConfigError(f"--worker-port must be in 1..65535, got {self.worker_port}")
+        if self.dns_interval_secs <= 0:
+            raise ConfigError("--dns-interval-secs must be > 0")
+        if self.dns_server is not None:
+            host, _, port = self.dns_server.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"--dns-server must be HOST:PORT, got {self.dns_server!r}")
+        if mode == "dns":
+            if not self.dns_name:
+                raise ConfigError("--service-discovery dns needs --dns-name")
+            if self.worker_port is None and not self.dns_name.startswith("_"):
+                raise ConfigError(
+                    "--service-discovery dns needs --worker-port (or an SRV name, '_...')"
+                )
+        if mode == "k8s":
+            if not self.selector or "=" not in self.selector:
+                raise ConfigError("--service-discovery k8s needs --selector KEY=VALUE[,...]")
+            if self.worker_port is None:
+                raise ConfigError("--service-discovery k8s needs --worker-port")
 
     @property
     def loopback_only(self) -> bool:

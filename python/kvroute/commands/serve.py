@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from kvroute.config import ConfigError, Settings, parse_worker_capacity
+from kvroute.config import DISCOVERY_MODES, ConfigError, Settings, parse_worker_capacity
 from kvroute.routing.policies import POLICY_NAMES
 
 if TYPE_CHECKING:
@@ -27,6 +28,54 @@ def configure(p: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="base URLs of the workers (http://host:port); more can be added at "
         "run time with POST /workers",
+    )
+    d = p.add_argument_group("service discovery")
+    d.add_argument(
+        "--service-discovery",
+        default="static",
+        choices=DISCOVERY_MODES,
+        help="where the fleet comes from besides --worker-urls: 'dns' re-resolves "
+        "--dns-name, 'k8s' watches the EndpointSlices matching --selector. Workers that "
+        "appear join; workers that vanish drain (in-flight requests finish) and leave",
+    )
+    d.add_argument(
+        "--dns-name",
+        default=None,
+        metavar="NAME",
+        help="dns: name whose A/AAAA records are the workers (a headless Service); "
+        "a name starting with '_' is looked up as SRV (targets and ports)",
+    )
+    d.add_argument(
+        "--dns-interval-secs",
+        type=float,
+        default=10.0,
+        help="dns: how often the name is resolved again",
+    )
+    d.add_argument(
+        "--dns-server",
+        default=None,
+        metavar="HOST:PORT",
+        help="dns: ask this server instead of the system's resolvers",
+    )
+    d.add_argument(
+        "--selector",
+        default=None,
+        metavar="KEY=VALUE[,...]",
+        help="k8s: label selector of the EndpointSlices to watch (a Service's labels are "
+        "copied to its slices; kubernetes.io/service-name=NAME picks one Service)",
+    )
+    d.add_argument(
+        "--namespace",
+        default=None,
+        help="k8s: namespace to watch (default: the pod's own, else the kubeconfig "
+        "context's, else 'default')",
+    )
+    d.add_argument(
+        "--worker-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="dns/k8s: the workers' HTTP port (worker URL = http://ADDRESS:PORT)",
     )
     g.add_argument("--policy", default="cache_aware", choices=POLICY_NAMES, help="routing policy")
     g.add_argument(
@@ -257,6 +306,22 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="log level",
     )
 
+    c = p.add_argument_group("config file and environment")
+    c.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="TOML (.toml) or YAML (.yaml) file of settings, keys named as these flags "
+        "('worker-urls = [...]'); every flag can also come from KVROUTE_<FLAG_NAME> "
+        "(KVROUTE_WORKER_URLS, KVROUTE_CONFIG). Precedence: flag > environment > file > "
+        "default",
+    )
+    c.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the effective settings (as a config file, secrets masked) and exit",
+    )
+
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     fields = Settings.__dataclass_fields__
@@ -268,7 +333,12 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvroute.commands.config_file import Layered, command_argv
+
+    layered = None
     try:
+        layered = Layered(configure, args, command_argv(sys.argv[1:]), dict(os.environ))
+        args = layered.namespace(args)
         settings = settings_from_args(args)
         if settings.kv_events:
             from kvroute.events import KvEventsSpecError, parse_kv_events
@@ -278,8 +348,12 @@ def run(args: argparse.Namespace) -> int:
             except KvEventsSpecError as e:
                 raise ConfigError(str(e)) from None
     except ConfigError as e:
-        print(f"kvroute serve: error: {e}", file=sys.stderr)
+        message = layered.blame(str(e)) if layered is not None else str(e)
+        print(f"kvroute serve: error: {message}", file=sys.stderr)
         return 2
+    if args.print_config:
+        print(layered.describe(), end="")
+        return 0
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -295,11 +369,12 @@ def run(args: argparse.Namespace) -> int:
             "engine's tokens (prefixes still line up; match lengths are in bytes)"
         )
     log.info(
-        "kvroute on http://%s:%d, policy %s, %d worker(s)",
+        "kvroute on http://%s:%d, policy %s, %d worker(s), discovery %s",
         settings.host,
         settings.port,
         settings.policy,
         len(settings.worker_urls),
+        settings.service_discovery,
     )
     serve(app, settings)
     return 0

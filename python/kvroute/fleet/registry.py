@@ -15,6 +15,11 @@ Health: a worker leaves the rotation when
 It comes back after ``health_success_threshold`` consecutive successful checks. When a
 worker goes down its prefixes are dropped from the index, so the policy spreads them over
 the survivors by load instead of guessing that a dead cache still holds them.
+
+Draining: service discovery (``kvroute.fleet.discovery``) ``drain``s a worker whose
+address vanished: it takes no new request, its in-flight ones finish, and it is removed
+when the last one is released. An address that comes back before then is ``add``ed again
+and simply stops draining.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ class Worker:
     # endpoint answers (a worker can answer /health and still hang on inference).
     cooldown_until: float = 0.0
     down_reason: str = ""
+    # Left the fleet (discovery): no new requests; removed once ``in_flight`` is 0.
+    draining: bool = False
     extra: dict[str, object] = field(default_factory=dict)
     # Models it serves by name (``kvroute.fleet.models``): None while unknown (it then
     # serves any model); ``models_fixed`` when the operator set them (never re-read).
@@ -55,7 +62,12 @@ class Worker:
         return model is None or self.models is None or model in self.models
 
     def available(self, now: float) -> bool:
-        return self.healthy and now >= self.circuit_open_until and now >= self.cooldown_until
+        return (
+            self.healthy
+            and not self.draining
+            and now >= self.circuit_open_until
+            and now >= self.cooldown_until
+        )
 
 
 class Reservation:
@@ -77,6 +89,8 @@ class Reservation:
             self.worker.in_flight -= 1
             if self._on_release is not None:
                 self._on_release()
+            if self.worker.draining and self.worker.in_flight == 0:
+                self._registry.remove(self.worker.url)
 
 
 class Registry:
@@ -100,7 +114,11 @@ class Registry:
 
     def add(self, url: str) -> Worker:
         if url in self.workers:
-            return self.workers[url]
+            w = self.workers[url]
+            if w.draining:
+                w.draining = False
+                log.info("worker %s is back, no longer draining", url)
+            return w
         w = Worker(url)
         self.workers[url] = w
         if url in self.fixed_models:
@@ -118,6 +136,17 @@ class Registry:
                 self._on_down(url)
             log.info("worker removed: %s", url)
         return w
+
+    def drain(self, url: str) -> None:
+        """Take ``url`` out of rotation for good: in-flight requests finish, then it is
+        removed (at once when none is in flight)."""
+        w = self.workers.get(url)
+        if w is None or w.draining:
+            return
+        w.draining = True
+        log.info("worker %s draining (%d in flight)", url, w.in_flight)
+        if w.in_flight == 0:
+            self.remove(url)
 
     def loads(
         self, exclude: set[str] | frozenset[str] = frozenset(), model: str | None = None

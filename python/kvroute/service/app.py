@@ -33,6 +33,7 @@ from kvroute.errors import (
     UnauthorizedError,
     error_response,
 )
+from kvroute.fleet.discovery import start_discovery
 from kvroute.fleet.health import health_loop, refresh_models
 from kvroute.fleet.models import listing, named_models
 from kvroute.routing.tokenization import PromptTokenizer
@@ -75,6 +76,7 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
         )
         state.forward = Forward(state.client, state.pools)
         task = asyncio.create_task(health_loop(state))
+        discovery = start_discovery(s, state.registry, state.pools.drop if state.pools else None)
         if state.subscriber is not None:
             await asyncio.to_thread(state.subscriber.start)
         try:
@@ -82,9 +84,11 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
         finally:
             if state.subscriber is not None:
                 await asyncio.to_thread(state.subscriber.stop)
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            for t in (task, discovery):
+                if t is not None:
+                    t.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await t
             await state.client.aclose()
 
     app = RouterApp(

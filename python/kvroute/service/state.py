@@ -82,6 +82,7 @@ class RouterState:
                 "requests_served": w.served,
                 "failures": w.failed,
                 "down_reason": w.down_reason or None,
+                "draining": w.draining,
                 "circuit_open": now < w.circuit_open_until,
                 "mode": self.events.mode(w.url) if self.events is not None else "approximate",
                 "capacity": self.worker_capacity(w.url),
