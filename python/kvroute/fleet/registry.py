@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvroute.config import Settings
 
@@ -44,7 +44,6 @@ class Worker:
     # endpoint answers (a worker can answer /health and still hang on inference).
     cooldown_until: float = 0.0
     down_reason: str = ""
-    extra: dict[str, object] = field(default_factory=dict)
 
     def available(self, now: float) -> bool:
         return self.healthy and now >= self.circuit_open_until and now >= self.cooldown_until
@@ -53,12 +52,9 @@ class Worker:
 class Reservation:
     """One unit of load on one worker; ``release`` is idempotent."""
 
-    __slots__ = ("_on_release", "_registry", "released", "worker")
+    __slots__ = ("_on_release", "released", "worker")
 
-    def __init__(
-        self, registry: Registry, worker: Worker, on_release: Callable[[], None] | None = None
-    ) -> None:
-        self._registry = registry
+    def __init__(self, worker: Worker, on_release: Callable[[], None] | None = None) -> None:
         self.worker = worker
         self.released = False
         self._on_release = on_release
@@ -115,7 +111,7 @@ class Registry:
         w = self.workers[url]
         w.in_flight += 1
         w.served += 1
-        return Reservation(self, w, on_release)
+        return Reservation(w, on_release)
 
     def healthy_count(self) -> int:
         now = time.monotonic()
