@@ -94,6 +94,8 @@ class Settings:
     admin_api_key: str | None = None
     worker_api_key: str | None = None
     log_level: str = "info"
+    log_format: str = "text"  # text | json
+    access_log: bool = True
     tokenizer_cache_size: int = 8192
     kv_events: list[str] = field(default_factory=list)
 
@@ -150,6 +152,8 @@ class Settings:
             raise ConfigError("--bounded-load-factor must be >= 1.0")
         if self.log_level.lower() not in ("debug", "info", "warning", "warn", "error", "critical"):
             raise ConfigError(f"unknown --log-level {self.log_level!r}")
+        if self.log_format not in ("text", "json"):
+            raise ConfigError(f"--log-format must be 'text' or 'json', got {self.log_format!r}")
         return self
 
     @property
