@@ -41,6 +41,7 @@ from kvroute.errors import (
 )
 from kvroute.fleet.registry import Reservation
 from kvroute.routing.policies.base import NoWorkerError, RouteRequest
+from kvroute.service.routes import for_index
 
 if TYPE_CHECKING:
     from kvroute.service.state import RouterState
@@ -195,12 +196,14 @@ class Forwarder:
         body = await read_body(request, s.settings.max_body_bytes)
         obj = parse_object(body)
         stream = obj.get("stream") is True
+        index_kind, index_obj = for_index(kind, obj)
         if s.policy.needs_tokens:
-            tokens: Sequence[int] = await s.tokenizer.tokens_for(kind, obj)
+            tokens: Sequence[int] = await s.tokenizer.tokens_for(index_kind, index_obj)
             if len(tokens) == 0:
                 raise BadRequestError("the prompt is empty")
+            request.state.prompt_tokens = len(tokens)  # for the access log
         else:
-            s.tokenizer.check(kind, obj)
+            s.tokenizer.check(index_kind, index_obj)
             tokens = ()
         key = session_key(request, obj) if s.policy.needs_session else None
         route_req = RouteRequest(tokens=tokens, session_key=key)
