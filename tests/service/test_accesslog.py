@@ -121,3 +121,34 @@ async def test_a_forged_line_break_in_the_path_stays_on_one_line(
     assert r.status_code == 404
     (record,) = _records(access)
     assert "\n" not in record.getMessage() and "\\x0a" in record.getMessage()
+
+
+async def test_a_client_gone_mid_body_is_a_499_not_an_error(
+    access: pytest.LogCaptureFixture,
+) -> None:
+    access.set_level(logging.INFO)
+    app = create_app(Settings(worker_urls=[WORKER]).validate())
+    sent: list[dict[str, Any]] = []
+    messages = [
+        {"type": "http.request", "body": b'{"prompt": "half', "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0)
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/completions",
+        "headers": [(b"content-type", b"application/json")],
+        "query_string": b"",
+    }
+    await app(scope, receive, send)
+    assert sent == []  # nothing to answer
+    (record,) = _records(access)
+    assert record.status == 499 and record.worker is None  # type: ignore[attr-defined]
+    assert [r for r in access.records if r.levelno >= logging.WARNING] == []

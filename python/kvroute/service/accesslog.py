@@ -6,8 +6,8 @@ Fields (also as structured fields with ``--log-format json``):
   one, given here to the request before anything else reads it: the worker sees the
   same ID, and every answer, errors included, carries it back;
 * ``method``, ``route`` (the path, without the query string), ``status``: the status
-  sent, 499 when the client went away before an answer started, 500 when the handler
-  failed before one;
+  sent; 499 when none was (the client went away first, or the request was cancelled at
+  shutdown); 500 when the handler failed before answering;
 * ``worker``: the worker that answered (``X-Kvroute-Worker``), ``-`` when none did;
 * ``prompt_tokens``: tokens the router routed on (bytes without ``--tokenizer``), ``-``
   when it did not tokenize (pass-through routes, policies that ignore the prompt, or a

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -55,6 +55,8 @@ class RouterApp(FastAPI):
                 response = await self.inference(request, route.kind, route.worker_path)
             except RouterError as e:
                 response = e.response()
+            except ClientDisconnect:
+                return  # gone while sending its body: no one to answer (logged as 499)
             except Exception:
                 # What FastAPI's error middleware would do, in the API's error shape.
                 log.exception("unhandled error on %s", scope["path"])
