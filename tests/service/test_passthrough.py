@@ -196,3 +196,37 @@ async def test_responses_api_is_routed_like_chat(caplog: pytest.LogCaptureFixtur
     assert [r.prompt_tokens for r in logged] == [expected, expected]  # type: ignore[attr-defined]
     hits = state.metrics.decisions_by["cache_aware", "cache_hit", "approximate"]
     assert hits._value.get() == 1
+
+
+async def test_a_named_model_goes_to_the_workers_that_serve_it() -> None:
+    """A mixed fleet: W1 serves an embedding model, W2 a chat model. Requests naming a
+    model go to its workers even when they are busier; an unknown model, or a body
+    without one, falls back to least load over all."""
+    served = {"w1": ["embedder"], "w2": ["chat-model"]}
+    listed: list[str] = []
+    calls: list[httpx.Request] = []
+    ok = echo(calls)
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            listed.append(request.url.host)
+            data = [{"id": m, "object": "model"} for m in served[request.url.host]]
+            return httpx.Response(200, json={"object": "list", "data": data})
+        return ok(request)
+
+    client, ctx, state = await make(handle, [W1, W2])
+    state.registry.workers[W1].in_flight = 5
+    try:
+        for _ in range(5):
+            r = await client.post("/v1/embeddings", json={"model": "embedder", "input": "x"})
+            assert r.headers["x-kvroute-worker"] == W1
+        r = await client.post("/tokenize", json={"model": "chat-model", "prompt": "x"})
+        assert r.headers["x-kvroute-worker"] == W2
+        r = await client.post("/v1/embeddings", json={"model": "nobody-has-it", "input": "x"})
+        assert r.headers["x-kvroute-worker"] == W2  # least load over all
+        r = await client.post("/v1/audio/transcriptions", files={"file": ("a.wav", b"RIFF")})
+        assert r.headers["x-kvroute-worker"] == W2
+    finally:
+        await client.aclose()
+        await ctx.__aexit__(None, None, None)
+    assert sorted(listed) == ["w1", "w2"]  # each list fetched once, not per request

@@ -2,7 +2,8 @@
 
 Embeddings, tokenize, score, rerank, pooling, classify and audio go to the healthy
 worker with the fewest requests in flight (ties broken at random, so an idle fleet is
-still spread). The body and its Content-Type are sent byte for byte, so multipart audio
+still spread), among those that serve the body's ``model`` when some do
+(``service.models``). The body and its Content-Type are sent byte for byte, so multipart audio
 uploads keep their boundary; the body is read whole first, within ``--max-body-bytes``,
 which is what lets a failure before the first answer byte be retried on another
 worker, as on the indexed routes (same retry budget, same down-marking). A complete
@@ -16,12 +17,15 @@ import asyncio
 import random
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import httpx
+import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
 from kvroute.errors import GatewayTimeoutError, UnavailableError, error_body
+from kvroute.service.models import ModelDirectory
 from kvroute.service.proxy import (
     PASS_HEADERS,
     RETRYABLE,
@@ -33,6 +37,9 @@ from kvroute.service.proxy import (
     read_body,
 )
 
+if TYPE_CHECKING:
+    from kvroute.service.state import RouterState
+
 _rng = random.Random()
 
 
@@ -42,8 +49,27 @@ def least_loaded(loads: dict[str, int]) -> str:
     return _rng.choice([u for u, n in loads.items() if n == low])
 
 
+def model_of(body: bytes) -> str | None:
+    """The ``model`` of a JSON object body, else None (multipart, not JSON, no model)."""
+    if not body.lstrip()[:1] == b"{":
+        return None
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    model = obj.get("model") if isinstance(obj, dict) else None
+    return model if isinstance(model, str) and model else None
+
+
 class PassThrough(Forwarder):
     """Least-load forwarding with the bodies untouched (the Forwarder's retry rules)."""
+
+    def __init__(self, state: RouterState) -> None:
+        super().__init__(state)
+        key = state.settings.worker_api_key
+        auth = {"authorization": f"Bearer {key}"} if key else {}
+        # The shared client is created in the app's lifespan (and replaced by tests).
+        self.models = ModelDirectory(lambda: state.client, auth)
 
     async def forward(self, request: Request, kind: str, path: str) -> Response:
         s = self.s
@@ -56,6 +82,7 @@ class PassThrough(Forwarder):
         else:
             del headers["content-type"]
         rid = headers["x-request-id"]
+        model = model_of(body)
         tried: set[str] = set()
         last_error = "no healthy worker"
         deadline = time.monotonic() + s.settings.request_timeout_secs
@@ -63,6 +90,8 @@ class PassThrough(Forwarder):
             loads = s.registry.loads(exclude=tried)
             if not loads:
                 break
+            if model is not None:
+                loads = dict(await self.models.eligible(model, loads))
             worker = least_loaded(loads)
             res = s.registry.reserve(worker)
             upstream: httpx.Response | None = None

@@ -9,8 +9,9 @@ Two ways through the router:
   the body goes to the worker untouched.
 * **Pass-through** (embeddings, tokenize/detokenize, score/rerank, pooling, classify,
   audio): the work is one forward pass or none, so there is no prefix cache worth
-  following; the request goes to the healthy worker with the fewest requests in flight,
-  its body and content type (multipart for audio) byte for byte.
+  following; the request goes to the healthy worker with the fewest requests in flight
+  (among those serving the body's ``model``, see ``service.models``), its body and
+  content type (multipart for audio) byte for byte.
 
 Paths not listed here are the router's own or answer 404.
 """
