@@ -17,6 +17,9 @@ and answers a fixed chat completion) receive the same load five ways:
                   kvroute's own logic
 * ``kv_bytes``    kvroute cache_aware without ``--tokenizer``: routes on the prompt's
                   UTF-8 bytes, as SGLang's router routes on characters
+* ``kv_rr_log``   ``kv_rr`` at ``--log-level info``: with the access log (one line per
+                  request, to the router's log file); every other kvroute target runs at
+                  ``warning``, without it
 * ``base_cache``, ``base_rr``  optional: the kvroute of ``--baseline-python`` (an
                   earlier build in another virtual environment), to measure a change
                   against its baseline in the same run
@@ -411,7 +414,7 @@ def pct(xs: list[float], q: float) -> float:
 
 # kvroute targets; base_* run the kvroute installed for --baseline-python (an earlier
 # build), so a change is measured against its baseline in the same run.
-KVROUTE_TARGETS = ("kv_cache", "kv_rr", "kv_bytes", "base_cache", "base_rr")
+KVROUTE_TARGETS = ("kv_cache", "kv_rr", "kv_rr_log", "kv_bytes", "base_cache", "base_rr")
 
 
 def start_targets(
@@ -437,13 +440,14 @@ def start_targets(
             return start_server(name, [*argv, *urls], port, log_dir=log_dir)
         if name in KVROUTE_TARGETS:
             port = free_port()
-            policy = "round_robin" if name.endswith("_rr") else "cache_aware"
+            policy = "round_robin" if "_rr" in name else "cache_aware"
             argv = kvroute_argv("serve", "--worker-urls", *urls, "--port", str(port))
             if name.startswith("base_"):
                 if baseline_python is None:
                     raise SystemExit(f"{name} needs --baseline-python")
                 argv[0] = baseline_python
-            argv += ["--policy", policy, "--log-level", "warning"]
+            level = "info" if name.endswith("_log") else "warning"
+            argv += ["--policy", policy, "--log-level", level]
             if tokenizer and name != "kv_bytes":
                 argv += ["--tokenizer", tokenizer]
             return start_server(name, argv, port, log_dir=log_dir, timeout_s=120)

@@ -1,7 +1,9 @@
 """A tiny recording worker for router tests: ``python tests/fake_worker.py --port P``.
 
 It records every inference body it receives (GET /records), answers OpenAI/SGLang
-shapes, streams SSE chunk by chunk, and can be told to misbehave through
+shapes (and, for the routes the router passes through untouched: embeddings, tokenize,
+score, rerank, audio..., a small JSON answer naming the worker, the path and the body's
+SHA-256), streams SSE chunk by chunk, and can be told to misbehave through
 ``POST /control`` {"mode": "ok" | "error" | "hang" | "garbage" | "truncate" | "die_mid_stream",
 "status": int, "delay_s": float}.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import os
 from typing import Any
 
@@ -44,10 +47,32 @@ def sse_chunks(n: int, final: dict[str, Any]) -> list[bytes]:
     return out
 
 
+PASSTHROUGH_PATHS = (
+    "/v1/embeddings",
+    "/tokenize",
+    "/detokenize",
+    "/pooling",
+    "/classify",
+    "/score",
+    "/v1/score",
+    "/rerank",
+    "/v1/rerank",
+    "/v2/rerank",
+    "/v1/audio/transcriptions",
+    "/v1/audio/translations",
+)
+
+
 async def infer(request: Request) -> Response:
     body = await request.body()
+    sha = hashlib.sha256(body).hexdigest()
     STATE["records"].append(
-        {"path": request.url.path, "body": body.decode(), "headers": dict(request.headers)}
+        {
+            "path": request.url.path,
+            "body": body.decode(errors="replace"),
+            "sha256": sha,
+            "headers": dict(request.headers),
+        }
     )
     mode = STATE["mode"]
     if STATE["delay_s"]:
@@ -69,6 +94,8 @@ async def infer(request: Request) -> Response:
         return Response(b"\x00not json at all", media_type="application/json")
     if mode == "die":
         os._exit(1)
+    if request.url.path in PASSTHROUGH_PATHS:
+        return JSONResponse({"worker": STATE["name"], "path": request.url.path, "sha256": sha})
     obj = orjson.loads(body)
     usage = {
         "prompt_tokens": 3,
@@ -139,6 +166,8 @@ app = Starlette(
         Route("/v1/completions", infer, methods=["POST"]),
         Route("/v1/chat/completions", infer, methods=["POST"]),
         Route("/generate", infer, methods=["POST"]),
+        Route("/v1/responses", infer, methods=["POST"]),
+        *(Route(p, infer, methods=["POST"]) for p in PASSTHROUGH_PATHS),
         Route("/records", records),
         Route("/control", control, methods=["POST"]),
         Route("/health", health),

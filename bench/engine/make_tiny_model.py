@@ -1,4 +1,4 @@
-"""Build a tiny random-weight Llama model that vLLM's CPU build can serve (ENGINE.md).
+"""Build a tiny random-weight Llama model that vLLM's CPU build can serve (docs/real-engine.md).
 
 No model hub is reachable here, so the model is made locally:
 

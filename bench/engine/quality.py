@@ -31,7 +31,7 @@ counted with the model's tokenizer), each asked ``--per-group`` distinct questio
 groups interleaved at random. kvroute gets ``--tokenizer`` (the model's), so it routes
 on the exact token IDs vLLM computes; the peers route on text as they do.
 
-Usage (after ENGINE.md's install and ``make_tiny_model.py``; peers per README):
+Usage (after the install in docs/real-engine.md and ``make_tiny_model.py``; peers per README):
     .venv/bin/python bench/engine/quality.py --json bench/results/engine_quality.json
 """
 

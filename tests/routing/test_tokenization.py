@@ -97,3 +97,47 @@ def test_byte_fallback_is_one_token_per_utf8_byte(text: str) -> None:
     tokens = utf8_tokens(text)
     assert tokens.typecode == "I"
     assert list(tokens) == list(text.encode("utf-8", "surrogatepass"))
+
+
+@needs_qwen
+async def test_long_text_encoding_leaves_the_event_loop_free() -> None:
+    """The encode of a long text runs in another thread while the loop keeps running:
+    the encoder here blocks until the loop has run a task, which it could never do if
+    it ran on the loop's own thread. A short text stays on the loop (no thread hop)."""
+    import asyncio
+    import threading
+
+    assert QWEN is not None
+    tok = PromptTokenizer(QWEN)
+    encode = tok._encode_missing
+    threads: list[int] = []
+    loop_ran = threading.Event()
+    waited: list[bool] = []
+
+    loop = asyncio.get_running_loop()
+    started = asyncio.Event()
+
+    def recording(texts: list[str]) -> dict[str, tuple[int, ...]]:
+        threads.append(threading.get_ident())
+        if threading.get_ident() != loop_thread:
+            loop.call_soon_threadsafe(started.set)
+            waited.append(loop_ran.wait(timeout=30))
+        return encode(texts)
+
+    tok._encode_missing = recording  # type: ignore[method-assign]
+    loop_thread = threading.get_ident()
+
+    async def tick() -> None:
+        await started.wait()  # the encode has started: the loop runs this meanwhile
+        loop_ran.set()
+
+    long_prompt = "a long document line. " * 2000
+    ticker = asyncio.create_task(tick())
+    ids = await tok.tokens_for("completions", {"prompt": long_prompt})
+    assert ticker.done()
+    assert threads[0] != loop_thread and waited == [True]
+    assert list(ids) == tok._tok.encode(long_prompt)
+
+    threads.clear()
+    await tok.tokens_for("completions", {"prompt": "a short question"})
+    assert threads == [loop_thread]

@@ -96,6 +96,8 @@ def convert(action: argparse.Action, value: Any, *, from_text: bool) -> Any:
             flag = value
         else:
             raise ValueError(f"expected true or false, got {value!r}")
+        if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x
+            return flag
         return action.const if flag else action.default
     if _is_list(action):
         if from_text:

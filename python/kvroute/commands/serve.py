@@ -305,6 +305,22 @@ def configure(p: argparse.ArgumentParser) -> None:
         choices=["debug", "info", "warning", "error", "critical"],
         help="log level",
     )
+    s.add_argument(
+        "--log-format",
+        default="text",
+        choices=["text", "json"],
+        help="text: one readable line per record; json: one JSON object per line "
+        "(timestamp, level, logger, message and the record's fields), for log "
+        "collectors. uvicorn's own records use the same format",
+    )
+    s.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one info line per request: request ID, method, route, status, worker, "
+        "prompt tokens, time to first byte and latency (never bodies or keys); "
+        "health checks and metric scrapes are not logged",
+    )
 
     c = p.add_argument_group("config file and environment")
     c.add_argument(
@@ -354,10 +370,9 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(layered.describe(), end="")
         return 0
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    from kvroute.commands._logs import setup_logging
+
+    setup_logging(settings.log_level, settings.log_format)
     log = logging.getLogger("kvroute")
     from kvroute.service.app import create_app
 
@@ -384,6 +399,8 @@ def serve(app: FastAPI, settings: Settings) -> None:
     """Run uvicorn, telling the app when SIGTERM/SIGINT starts the drain."""
     import uvicorn
 
+    from kvroute.commands._logs import uvicorn_log_config
+
     state: RouterState = app.state.router
 
     class DrainingServer(uvicorn.Server):
@@ -397,7 +414,9 @@ def serve(app: FastAPI, settings: Settings) -> None:
         port=settings.port,
         loop="uvloop",
         http="httptools",
-        log_level=settings.log_level if settings.log_level != "info" else "warning",
+        # uvicorn's records go through the handler set up above (same format); its own
+        # access log stays off, the router writes a richer one (service/accesslog.py).
+        log_config=uvicorn_log_config(settings.log_level),
         access_log=False,
         # uvicorn hands this to asyncio.wait_for, which takes fractions of a second too.
         timeout_graceful_shutdown=settings.shutdown_grace_secs,  # type: ignore[arg-type]

@@ -1,6 +1,6 @@
 """Precise mode: keep the ``BlockIndex`` in step with the engines' KV cache events.
 
-vLLM and SGLang publish every block they cache or evict over ZMQ (KV_EVENTS.md).
+vLLM and SGLang publish every block they cache or evict over ZMQ (docs/kv-events.md).
 This package turns those messages into ``BlockIndex`` updates and tells the routing
 policy which workers it can trust:
 

@@ -1,4 +1,4 @@
-"""Decode KV cache event batches as vLLM and SGLang publish them (see KV_EVENTS.md).
+"""Decode KV cache event batches as vLLM and SGLang publish them (docs/kv-events.md).
 
 A ZMQ message is ``[topic, seq, payload]``; the payload is msgpack of
 ``[ts, events]`` or ``[ts, events, data_parallel_rank]``. Each event is either a map

@@ -3,7 +3,7 @@
 vLLM's replay socket is a ROUTER. A DEALER sends ``[b"", start_seq (8 bytes BE)]``;
 the engine answers with one message per buffered batch whose seq is >= start, then an
 end marker whose seq frame is ``0xFF`` × 8. After the empty delimiter, a batch is
-``[seq, payload]`` (KV_EVENTS.md, older vLLM) or ``[topic, seq, payload]`` (vLLM 0.32);
+``[seq, payload]`` (older vLLM, docs/kv-events.md) or ``[topic, seq, payload]`` (vLLM 0.32);
 both are accepted. A batch older than the engine's buffer is simply not sent; the
 caller checks that every seq it needs came back.
 """

@@ -207,11 +207,6 @@ class EventTracker:
                 batch = None
             self._feed(worker, seq, batch)
 
-    def feed_batch(self, worker: str, seq: int, batch: KvEventBatch) -> None:
-        """Like ``feed`` with an already decoded batch."""
-        with self._feed_lock:
-            self._feed(worker, seq, batch)
-
     def _feed(self, worker: str, seq: int, batch: KvEventBatch | None) -> None:
         with self._lock:
             s = self._streams.get(worker)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvroute._native import PrefixIndex
 from kvroute.events.tracker import EventTracker, Mode
 
 
@@ -20,7 +19,7 @@ class PreciseView:
 
     ``match(tokens)`` returns the matched tokens (whole blocks) per worker that is in
     ``precise`` mode, and the set of those workers; every other worker should be
-    matched on the approximate index. ``merged_match`` does that merge in one call.
+    matched on the approximate index (the policy does that merge).
     """
 
     def __init__(self, tracker: EventTracker) -> None:
@@ -38,16 +37,6 @@ class PreciseView:
         else:
             got = self.tracker.index.match(tokens)
         return {w: n for w, n in got.items() if w in precise}, precise
-
-    def merged_match(
-        self, tokens: Sequence[int], approximate: PrefixIndex
-    ) -> tuple[dict[str, int], set[str]]:
-        """Per-worker matches: precise where trusted, approximate elsewhere."""
-        exact, precise = self.match(tokens)
-        for w, n in approximate.match(tokens).items():
-            if w not in precise:
-                exact[w] = n
-        return exact, precise
 
     def mode(self, worker: str) -> Mode:
         return self.tracker.mode(worker)

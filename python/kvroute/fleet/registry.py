@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvroute.config import Settings, normalize_worker_url, parse_worker_models
 from kvroute.fleet.models import ServedModel, named_models
@@ -52,7 +52,6 @@ class Worker:
     down_reason: str = ""
     # Left the fleet (discovery): no new requests; removed once ``in_flight`` is 0.
     draining: bool = False
-    extra: dict[str, object] = field(default_factory=dict)
     # Models it serves by name (``kvroute.fleet.models``): None while unknown (it then
     # serves any model); ``models_fixed`` when the operator set them (never re-read).
     models: dict[str, ServedModel] | None = None
@@ -78,6 +77,7 @@ class Reservation:
     def __init__(
         self, registry: Registry, worker: Worker, on_release: Callable[[], None] | None = None
     ) -> None:
+        # The registry removes a draining worker when its last reservation is released.
         self._registry = registry
         self.worker = worker
         self.released = False

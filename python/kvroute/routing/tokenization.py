@@ -128,6 +128,9 @@ class PromptTokenizer:
             # one text per call, so parallelism only burns CPU (+30-50% per encode,
             # measured). An explicit setting by the user wins.
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+            # transformers' import-time advice that PyTorch is missing: the router only
+            # needs the tokenizer. Real warnings (not advisory ones) still show.
+            os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
             from transformers import AutoTokenizer
 
             self._tok = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)

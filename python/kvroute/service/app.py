@@ -37,8 +37,10 @@ from kvroute.fleet.discovery import start_discovery
 from kvroute.fleet.health import health_loop, refresh_models
 from kvroute.fleet.models import listing, named_models
 from kvroute.routing.tokenization import PromptTokenizer
-from kvroute.service.fastpath import INFERENCE_PATHS, RouterApp
+from kvroute.service.fastpath import RouterApp
+from kvroute.service.passthrough import PassThrough
 from kvroute.service.proxy import Forwarder, ProxyStream, parse_object, read_body
+from kvroute.service.routes import PASSTHROUGH_KINDS, ROUTES
 from kvroute.service.state import build_state
 from kvroute.service.status import counter_totals
 from kvroute.service.status import render as render_status
@@ -49,6 +51,12 @@ log = logging.getLogger("kvroute.service.app")
 OPENAI_BODY = {
     "requestBody": {
         "content": {"application/json": {"schema": {"type": "object"}}},
+        "required": True,
+    }
+}
+UPLOAD_BODY = {
+    "requestBody": {
+        "content": {"multipart/form-data": {"schema": {"type": "object"}}},
         "required": True,
     }
 }
@@ -95,7 +103,9 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
         title="kvroute", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
     )
     app.state.router = state
+    app.access_log = settings.access_log
     forwarder = Forwarder(state)
+    passthrough = PassThrough(state)
 
     # ------------------------------------------------------------- errors
 
@@ -159,7 +169,8 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
                 return shutting_down(kind)
             raise
         try:
-            response = await forwarder.forward(request, kind, path)
+            via = passthrough if kind in PASSTHROUGH_KINDS else forwarder
+            response = await via.forward(request, kind, path)
         except RouterError as e:
             await state.admission.release()
             state.metrics.requests.labels(kind, str(e.status)).inc()
@@ -197,8 +208,13 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
         handle.__name__ = kind
         return handle
 
-    for route_path, route in INFERENCE_PATHS.items():
-        app.add_api_route(route_path, endpoint(*route), methods=["POST"], openapi_extra=OPENAI_BODY)
+    for route_path, route in ROUTES.items():
+        app.add_api_route(
+            route_path,
+            endpoint(route.kind, route.worker_path),
+            methods=["POST"],
+            openapi_extra=UPLOAD_BODY if route_path.startswith("/v1/audio/") else OPENAI_BODY,
+        )
 
     # ------------------------------------------------------------- fleet
 

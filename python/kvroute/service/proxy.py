@@ -50,6 +50,7 @@ from kvroute.fleet.models import (
 from kvroute.fleet.registry import Reservation
 from kvroute.routing.load import Ticket, max_tokens_of
 from kvroute.routing.policies.base import Decision, NoWorkerError, RouteRequest
+from kvroute.service.routes import for_index
 
 if TYPE_CHECKING:
     from kvroute.service.state import RouterState
@@ -206,13 +207,15 @@ class Forwarder:
         obj = parse_object(body)
         stream = obj.get("stream") is True
         model = self._model(kind, obj)
+        index_kind, index_obj = for_index(kind, obj)
         if s.policy.needs_tokens:
-            tokens: Sequence[int] = await s.tokenizer.tokens_for(kind, obj)
+            tokens: Sequence[int] = await s.tokenizer.tokens_for(index_kind, index_obj)
             if len(tokens) == 0:
                 raise BadRequestError("the prompt is empty")
             tokens = self._partitioned(kind, obj, model, tokens)
+            request.state.prompt_tokens = len(tokens)  # for the access log
         else:
-            s.tokenizer.check(kind, obj)
+            s.tokenizer.check(index_kind, index_obj)
             tokens = ()
         key = session_key(request, obj) if s.policy.needs_session else None
         route_req = RouteRequest(tokens=tokens, session_key=key)

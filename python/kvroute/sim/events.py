@@ -1,6 +1,6 @@
 """KV cache events in vLLM's format over ZMQ, published by ``kvroute sim-worker``.
 
-Wire format (KV_EVENTS.md): a PUB socket sends ``[topic, seq (8-byte big-endian), payload]``
+Wire format (docs/kv-events.md): a PUB socket sends ``[topic, seq (8-byte big-endian), payload]``
 where ``payload = msgpack([ts, [event, ...], data_parallel_rank])`` and each event is a
 map as current vLLM sends it (``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``).
 The socket binds when the endpoint has ``*``, ``::``, ``ipc://`` or ``inproc://`` and

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 Reason = Literal[
@@ -62,8 +62,6 @@ class Decision:
     worker: str
     reason: Reason
     matched_tokens: int = 0
-    # Workers the policy considered as runners-up, best first (used for retries).
-    alternatives: list[str] = field(default_factory=list)
     # True when the match came from engine KV events (precise mode), not predictions.
     precise: bool = False
     # Set when the policy keeps state for the request until ``on_done`` (precise mode).
