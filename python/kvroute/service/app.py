@@ -31,9 +31,10 @@ from kvroute.errors import (
     OverloadedError,
     RouterError,
     UnauthorizedError,
+    UnprocessableError,
     error_response,
 )
-from kvroute.fleet.health import health_loop
+from kvroute.fleet.health import check_all, check_worker, health_loop
 from kvroute.routing.tokenization import PromptTokenizer
 from kvroute.service.fastpath import INFERENCE_PATHS, RouterApp
 from kvroute.service.proxy import Forwarder, ProxyStream, parse_object, read_body
@@ -73,6 +74,9 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
             pool_s=s.queue_timeout_secs,
         )
         state.forward = Forward(state.client, state.pools)
+        # Workers take no traffic before their first check: check them all before
+        # serving (a check times out after --health-check-timeout-secs).
+        await check_all(state)
         task = asyncio.create_task(health_loop(state))
         if state.subscriber is not None:
             await asyncio.to_thread(state.subscriber.start)
@@ -259,13 +263,22 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
         try:
             url = normalize_worker_url(obj.get("url"))  # type: ignore[arg-type]
         except ConfigError as e:
-            raise BadRequestError(str(e)) from None
+            raise UnprocessableError(str(e), code="invalid_worker_url") from None
         kv_events = obj.get("kv_events")
         if kv_events is not None:
             await add_event_source(url, kv_events)
         existed = url in state.registry.workers
-        state.registry.add(url)
-        return JSONResponse({"url": url, "added": not existed}, status_code=200 if existed else 201)
+        worker = state.registry.add(url)
+        if not existed:  # no traffic until this first check answers
+            probe = asyncio.create_task(check_worker(state, url))
+            probes.add(probe)
+            probe.add_done_callback(probes.discard)
+        return JSONResponse(
+            {"url": url, "added": not existed, "healthy": worker.healthy},
+            status_code=200 if existed else 201,
+        )
+
+    probes: set[asyncio.Task[None]] = set()
 
     async def add_event_source(url: str, kv_events: Any) -> None:
         """``{"url": ..., "kv_events": "tcp://host:port[;topic=T][;replay=...][;bind]"}``."""
@@ -291,12 +304,17 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
     async def remove_worker(request: Request, url: str) -> Response:
         check_admin(request)
         target = unquote(url).rstrip("/")
+        with contextlib.suppress(ConfigError):  # spelled differently, same worker
+            target = normalize_worker_url(target)
         if state.registry.remove(target) is None:
-            raise NotFoundError(f"no worker {target!r}")
+            raise NotFoundError(f"no worker {target[:200]!r}")
         if state.subscriber is not None and target in state.subscriber.sources:
             await asyncio.to_thread(state.subscriber.remove_source, target)
         if state.pools is not None:
-            await state.pools.drop(target)
+            try:
+                await state.pools.drop(target)
+            except Exception:  # the worker is gone either way; its pool goes with the GC
+                log.exception("closing the connections to %s failed", target)
         return JSONResponse({"url": target, "removed": True})
 
     @app.post("/flush_cache")

@@ -68,6 +68,9 @@ class Decision:
     precise: bool = False
     # Set when the policy keeps state for the request until ``on_done`` (precise mode).
     ticket: str | None = None
+    # Tokens of the prompt the worker held before this decision recorded it (the index
+    # insert), or None when nothing was recorded: what ``on_rejected`` rolls back to.
+    held_before: int | None = None
 
 
 class Policy(ABC):
@@ -87,6 +90,10 @@ class Policy(ABC):
     def on_done(self, decision: Decision) -> None:  # noqa: B027 - optional hook
         """Called once when the request ``decision`` routed has ended, however it ended
         (the caller releases its load reservation at the same moment)."""
+
+    def on_rejected(self, decision: Decision, tokens: Sequence[int]) -> None:  # noqa: B027
+        """Called when the worker did not take the request (an error answer, or the
+        attempt failed before any output): undo what ``select`` recorded about it."""
 
     def on_worker_added(self, worker: str) -> None:  # noqa: B027 - optional hook
         """Called when a worker joins the fleet."""
