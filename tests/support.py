@@ -46,3 +46,20 @@ def records(worker: Server) -> list[dict[str, object]]:
 
 def control(worker: Server, **kw: object) -> None:
     httpx.post(worker.url + "/control", json=kw, timeout=5).raise_for_status()
+
+
+def start_sim_worker(log_dir: Path, *flags: str) -> Server:
+    """``kvroute sim-worker`` on a free port, fast (time scale 50) unless told."""
+    port = free_port()
+    argv = kvroute_argv("sim-worker", "--port", str(port), "--time-scale", "50", *flags)
+    return start_server(f"sim-{port}", argv, port, log_dir=str(log_dir))
+
+
+def metric(router: Server, name: str) -> float:
+    """Sum of a Prometheus metric's samples (every label set) on the router."""
+    text = httpx.get(router.url + "/metrics", timeout=5).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name)] in " {":
+            total += float(line.rsplit(" ", 1)[1])
+    return total

@@ -159,10 +159,8 @@ class Settings:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
-        if not 0 < self.first_byte_floor_secs <= self.first_byte_timeout_secs:
-            raise ConfigError(
-                "--first-byte-floor-secs must be > 0 and at most --first-byte-timeout-secs"
-            )
+        if self.first_byte_floor_secs <= 0:
+            raise ConfigError("--first-byte-floor-secs must be > 0")
         if self.quarantine_secs < 0:
             raise ConfigError("--quarantine-secs must be >= 0 (0 turns quarantine off)")
         if self.max_connections < 0:

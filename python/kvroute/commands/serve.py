@@ -124,9 +124,10 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--first-byte-floor-secs",
         type=float,
         default=60.0,
-        help="least time a request waits for a worker's first byte: its deadline is this "
-        "plus the prompt at a slow prefill rate (100 tokens/s), plus its output at 2 tokens/s "
-        "when not streamed, at most --first-byte-timeout-secs (docs/failure-semantics.md)",
+        help="least time a request waits for a worker's first byte (unless the cap "
+        "--first-byte-timeout-secs is lower): its deadline is this plus the prompt at a "
+        "slow prefill rate (100 tokens/s), plus its output at 2 tokens/s when not "
+        "streamed, at most the cap (docs/failure-semantics.md)",
     )
     n.add_argument(
         "--max-connections",

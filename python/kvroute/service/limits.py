@@ -71,8 +71,8 @@ def install_busy_answer() -> None:
     the function up by name at each rejection)."""
     from uvicorn.protocols.http import h11_impl, httptools_impl
 
-    httptools_impl.service_unavailable = too_many_connections  # type: ignore[assignment]
-    h11_impl.service_unavailable = too_many_connections  # type: ignore[assignment]
+    httptools_impl.service_unavailable = too_many_connections  # type: ignore[assignment,attr-defined]
+    h11_impl.service_unavailable = too_many_connections  # type: ignore[assignment,attr-defined]
     # uvicorn logs a warning per refused request: a flood of lines under the very
     # overload the cap is for. The start-up line states the cap; clients see the 503.
     logging.getLogger("uvicorn.error").addFilter(
