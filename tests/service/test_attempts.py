@@ -11,7 +11,7 @@ import pytest
 
 from kvroute.config import Settings
 from kvroute.service.app import create_app
-from kvroute.service.quarantine import Quarantine, first_byte_secs, fingerprint, output_tokens
+from kvroute.service.quarantine import Quarantine, fingerprint, first_byte_secs, output_tokens
 
 URLS = ["http://w1:8000", "http://w2:8000", "http://w3:8000"]
 Answer = Callable[[str, httpx.Request], httpx.Response]
