@@ -36,6 +36,7 @@ from kvroute.errors import (
 )
 from kvroute.fleet.health import check_all, check_worker, health_loop
 from kvroute.routing.tokenization import PromptTokenizer
+from kvroute.service import openapi
 from kvroute.service.fastpath import INFERENCE_PATHS, RouterApp
 from kvroute.service.proxy import Forwarder, ProxyStream, parse_object, read_body
 from kvroute.service.state import build_state
@@ -44,13 +45,6 @@ from kvroute.service.status import render as render_status
 from kvroute.service.upstream import Forward, create_client
 
 log = logging.getLogger("kvroute.service.app")
-
-OPENAI_BODY = {
-    "requestBody": {
-        "content": {"application/json": {"schema": {"type": "object"}}},
-        "required": True,
-    }
-}
 
 
 def _bearer(request: Request) -> str:
@@ -197,11 +191,17 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
         return handle
 
     for route_path, route in INFERENCE_PATHS.items():
-        app.add_api_route(route_path, endpoint(*route), methods=["POST"], openapi_extra=OPENAI_BODY)
+        app.add_api_route(
+            route_path,
+            endpoint(*route),
+            methods=["POST"],
+            openapi_extra=openapi.body(openapi.BODIES[route[0]]),
+            responses=openapi.INFERENCE,
+        )
 
     # ------------------------------------------------------------- fleet
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=openapi.ROUTES["models"])
     async def models(request: Request) -> Response:
         check_api_key(request)
 
@@ -220,11 +220,11 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
                     seen.setdefault(m["id"], m)
         return JSONResponse({"object": "list", "data": list(seen.values())})
 
-    @app.get("/health")
+    @app.get("/health", responses=openapi.ROUTES["health"])
     async def health() -> Response:
         return JSONResponse({"status": "ok"})
 
-    @app.get("/readiness")
+    @app.get("/readiness", responses=openapi.ROUTES["readiness"])
     async def readiness() -> Response:
         n = state.registry.healthy_count()
         if n == 0:
@@ -233,11 +233,11 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
             )
         return JSONResponse({"status": "ready", "healthy_workers": n})
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=openapi.ROUTES["metrics"])
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/status")
+    @app.get("/status", responses=openapi.ROUTES["status"])
     async def status(request: Request) -> Response:
         check_api_key(request)
         m = state.metrics
@@ -251,12 +251,16 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
         )
         return HTMLResponse(page)
 
-    @app.get("/workers")
+    @app.get("/workers", responses=openapi.ROUTES["list_workers"])
     async def list_workers(request: Request) -> Response:
         check_api_key(request)
         return Response(orjson.dumps(state.workers_json()), media_type="application/json")
 
-    @app.post("/workers", openapi_extra=OPENAI_BODY)
+    @app.post(
+        "/workers",
+        openapi_extra=openapi.body(openapi.ADD_WORKER),
+        responses=openapi.ROUTES["add_worker"],
+    )
     async def add_worker(request: Request) -> Response:
         check_admin(request)
         obj = parse_object(await read_body(request, 64 * 1024))
@@ -300,7 +304,7 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
         except Exception as e:  # a socket that cannot bind/connect is the caller's setting
             raise BadRequestError(f"cannot subscribe to {kv_events!r}: {e}") from None
 
-    @app.delete("/workers/{url:path}")
+    @app.delete("/workers/{url:path}", responses=openapi.ROUTES["remove_worker"])
     async def remove_worker(request: Request, url: str) -> Response:
         check_admin(request)
         target = unquote(url).rstrip("/")
@@ -317,7 +321,7 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
                 log.exception("closing the connections to %s failed", target)
         return JSONResponse({"url": target, "removed": True})
 
-    @app.post("/flush_cache")
+    @app.post("/flush_cache", responses=openapi.ROUTES["flush_cache"])
     async def flush_cache(request: Request) -> Response:
         check_admin(request)
         results: dict[str, int | str] = {}
