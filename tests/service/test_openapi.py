@@ -1,5 +1,6 @@
 """The OpenAPI schema is truthful: schemathesis (all its checks, schema-valid and
-schema-invalid requests, a bounded number of examples of each per operation) against a real router process in front of a fake worker.
+schema-invalid requests, a bounded number of examples of each per operation) against
+a real router process in front of a fake worker.
 
 The router runs with an admin key the generated requests do not carry: the admin
 routes are exercised on their 401 answers, so that no generated worker URL is ever

@@ -115,12 +115,13 @@ def ok(description: str, media: str = JSON, schema: dict[str, Any] | None = None
     return {"description": description, "content": {media: {"schema": schema or {}}}}
 
 
-UNAUTHORIZED = {401: error("--api-key is set and the request does not carry it")}
-ADMIN = {
+Responses = dict[int | str, dict[str, Any]]
+UNAUTHORIZED: Responses = {401: error("--api-key is set and the request does not carry it")}
+ADMIN: Responses = {
     401: error("--admin-api-key is set and the request does not carry it"),
     403: error("admin endpoints are off: no --admin-api-key and not on loopback"),
 }
-INFERENCE: dict[int | str, dict[str, Any]] = {
+INFERENCE: Responses = {
     200: {
         "description": "the worker's answer: JSON, or server-sent events when streamed",
         "content": {JSON: {"schema": {}}, "text/event-stream": {"schema": {"type": "string"}}},
@@ -137,7 +138,7 @@ INFERENCE: dict[int | str, dict[str, Any]] = {
         "content": {JSON: {"schema": {}}, "*/*": {"schema": {}}},
     },
 }
-ROUTES: dict[str, dict[int | str, dict[str, Any]]] = {
+ROUTES: dict[str, Responses] = {
     "models": {200: ok("the models the healthy workers serve"), **UNAUTHORIZED},
     "health": {200: ok("the router is up")},
     "readiness": {
