@@ -40,9 +40,10 @@ it back (``tests/test_architecture.py`` checks both).
 
 The request path: ``service.fastpath`` -> ``service.app`` (auth, admission) ->
 ``service.proxy`` (body read, ``routing.tokenization`` -> token IDs) ->
-``service.attempts`` -> ``routing.policies`` (match in the native index, choose a worker, reserve its load in
-``fleet.registry``) -> ``service.upstream`` / ``h1pool`` (send, stream back) -> the
-reservation released however the request ends.
+``service.attempts`` -> ``routing.policies`` (match in the native index, choose a
+worker, reserve its load in ``fleet.registry``) -> ``service.upstream`` / ``h1pool``
+(send, stream back; a failure retried, moved or quarantined) -> the reservation
+released however the request ends.
 """
 
 from kvroute._native import BlockIndex, PrefixIndex, UnknownParentError
