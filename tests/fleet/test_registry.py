@@ -74,3 +74,35 @@ def test_waiting_requests_are_told_when_their_worker_leaves() -> None:
     r.mark_down(W, "health check failed: ReadTimeout")
     assert told == ["health check failed: ReadTimeout"] and other == []
     assert r.waiting(W) == 0
+
+
+async def test_a_check_timing_out_with_a_request_waiting_marks_the_worker_hung() -> None:
+    """Passive detection of a hung worker: one timed-out check is enough while a request
+    has waited on it a whole interval for a first byte; without one, the threshold."""
+    from types import SimpleNamespace
+
+    import httpx
+
+    from kvroute.fleet.health import check_worker
+
+    def hang(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("timed out", request=request)
+
+    settings = Settings(worker_urls=[W], health_check_interval_secs=0.01).validate()
+    for waiting in (False, True):
+        r = Registry(settings)
+        r.add(W)
+        r.record_check(W, True)
+        if waiting:
+            r.watch(W, lambda reason: None)
+        time.sleep(0.02)  # no first byte from it for a whole interval
+        async with httpx.AsyncClient(transport=httpx.MockTransport(hang)) as client:
+            state = SimpleNamespace(
+                settings=settings, registry=r, client=client, capacity=None,
+                polls_engine=False, others={},
+            )  # fmt: skip
+            await check_worker(state, W)  # type: ignore[arg-type]
+        if waiting:
+            assert r.workers[W].healthy is False and "hung" in r.workers[W].down_reason
+        else:
+            assert r.workers[W].healthy is True, "one failed check of two"

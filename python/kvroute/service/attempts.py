@@ -40,7 +40,7 @@ import httpx
 from kvroute.errors import BadRequestError, GatewayTimeoutError, UnavailableError, UpstreamError
 from kvroute.fleet.registry import Reservation
 from kvroute.routing.policies.base import Decision, NoWorkerError, RouteRequest
-from kvroute.service.quarantine import first_byte_secs
+from kvroute.service.quarantine import fingerprint, first_byte_secs
 
 if TYPE_CHECKING:
     from kvroute.service.state import RouterState
@@ -87,11 +87,17 @@ class Job:
     headers: dict[str, str]
     rid: str
     route: RouteRequest
-    fingerprint: int
+    fingerprint: int | None  # None until needed (see ``fp``)
     first_byte_s: float
     deadline: float  # time.monotonic() by which the whole request must end
     stream: bool
     t0: float
+
+    def fp(self) -> int:
+        """The request's fingerprint for quarantine (``kvroute.service.quarantine``)."""
+        if self.fingerprint is None:
+            self.fingerprint = fingerprint(self.route.tokens, self.body)
+        return self.fingerprint
 
 
 def retryable_answer(upstream: httpx.Response) -> bool:
@@ -164,9 +170,9 @@ class Attempts:
                 log.warning(
                     "%s: connection to %s broke in flight (%s)", job.rid, worker, outcome.what
                 )
-                s.registry.record_request_failure(worker, job.fingerprint, outcome.what)
+                s.registry.record_request_failure(worker, job.fp(), outcome.what)
                 if request_failures > REQUEST_FAILURES_ALLOWED:
-                    s.quarantine.add(job.fingerprint)
+                    s.quarantine.add(job.fp())
                     s.metrics.quarantined.inc()
                     raise UpstreamError(
                         f"request {job.rid} broke the connection to {len(tried)} workers "

@@ -171,8 +171,9 @@ class Forwarder:
         key = session_key(request, obj) if s.policy.needs_session else None
         headers = self._headers(request)
         rid = headers["x-request-id"]
-        fp = fingerprint(tokens, body)
-        if len(s.quarantine) and s.quarantine.holds(fp):
+        # Hashed only when something is quarantined (else on a failure, in ``attempts``).
+        fp = fingerprint(tokens, body) if len(s.quarantine) else None
+        if fp is not None and s.quarantine.holds(fp):
             s.metrics.quarantine_refused.inc()
             raise UpstreamError(
                 f"request {rid} is a copy of a request that broke the connection to two "
