@@ -4,6 +4,7 @@ waiting requests told when their worker leaves."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from kvroute.config import Settings
@@ -95,7 +96,7 @@ async def test_a_check_timing_out_with_a_request_waiting_marks_the_worker_hung()
         r.record_check(W, True)
         if waiting:
             r.watch(W, lambda reason: None)
-        time.sleep(0.02)  # no first byte from it for a whole interval
+        await asyncio.sleep(0.02)  # no first byte from it for a whole interval
         async with httpx.AsyncClient(transport=httpx.MockTransport(hang)) as client:
             state = SimpleNamespace(
                 settings=settings, registry=r, client=client, capacity=None,
