@@ -28,6 +28,7 @@ worker now caches the prompt (``Policy.on_rejected``) and is not counted as serv
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -234,7 +235,9 @@ class Attempts:
 
         def on_leave(reason: str) -> None:
             left.append(reason)
-            scope.reschedule(loop.time())
+            # Already past the scope (closing a failed attempt): nothing to cancel.
+            with contextlib.suppress(RuntimeError):
+                scope.reschedule(loop.time())
 
         s.registry.watch(worker, on_leave)
         try:
