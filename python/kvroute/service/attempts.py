@@ -175,10 +175,11 @@ class Attempts:
                 if request_failures > REQUEST_FAILURES_ALLOWED:
                     s.quarantine.add(job.fp())
                     s.metrics.quarantined.inc()
+                    ttl = s.settings.quarantine_secs
                     raise UpstreamError(
-                        f"request {job.rid} broke the connection to {len(tried)} workers "
-                        f"({outcome.what}); it is not retried, and copies of it are refused "
-                        f"for {s.settings.quarantine_secs:g}s",
+                        f"request {job.rid} broke the connection to {request_failures} "
+                        f"workers ({outcome.what}); it is not retried"
+                        + (f", and copies of it are refused for {ttl:g}s" if ttl else ""),
                         code="request_failed_on_workers",
                     )
                 reason = "request_failed"
