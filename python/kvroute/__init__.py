@@ -10,11 +10,13 @@ it back (``tests/test_architecture.py`` checks both).
     The HTTP service. ``app`` builds the FastAPI app (lifespan, endpoints, auth);
     ``fastpath`` hands POSTs to the proxied paths (``routes``) straight to the handler,
     every request through the ``accesslog``; ``state`` holds what one app owns
-    (registry, policy, index, tokenizer, client, metrics); ``proxy`` forwards a request,
-    retries failures before the first byte and streams the answer back (``passthrough``
-    does it by least load for the routes with no prefix to follow);
+    (registry, policy, index, tokenizer, client, metrics); ``proxy`` forwards a request
+    and streams the answer back; ``attempts`` runs its tries on workers and decides what
+    a failure means (retry, move, quarantine: ``quarantine``); ``passthrough`` forwards
+    the routes with no prefix to follow by least load;
     ``upstream`` and ``h1pool`` are the per-worker connection pools; ``admission``
-    bounds concurrency; ``metrics`` and ``status`` are what an operator reads.
+    bounds concurrency and ``limits`` connections; ``openapi`` is the schema;
+    ``metrics`` and ``status`` are what an operator reads.
 ``fleet/``
     The workers as the router sees them: ``registry`` (load reservations, health state,
     circuit breaker), ``health`` (active checks, engines' load read after them),
@@ -43,9 +45,10 @@ it back (``tests/test_architecture.py`` checks both).
 
 The request path: ``service.fastpath`` -> ``service.app`` (auth, admission) ->
 ``service.proxy`` (body read, ``routing.tokenization`` -> token IDs) ->
-``routing.policies`` (match in the native index, choose a worker, reserve its load in
-``fleet.registry``) -> ``service.upstream`` / ``h1pool`` (send, stream back) -> the
-reservation released however the request ends.
+``service.attempts`` -> ``routing.policies`` (match in the native index, choose a
+worker, reserve its load in ``fleet.registry``) -> ``service.upstream`` / ``h1pool``
+(send, stream back; a failure retried, moved or quarantined) -> the reservation
+released however the request ends.
 """
 
 from kvroute._native import BlockIndex, PrefixIndex, UnknownParentError

@@ -33,12 +33,21 @@ class PrefixIndex:
     def max_tokens_per_worker(self) -> int | None:
         """The per-worker budget, or None when unbounded."""
 
-    def insert(self, worker: str, tokens: _Tokens) -> None:
+    def insert(self, worker: str, tokens: _Tokens) -> int:
         """Record that ``worker`` now holds ``tokens`` (and every prefix of it).
 
         Refreshes the LRU position of the whole prefix for that worker and evicts its
         least recently used tokens if it goes over budget. Registers unknown workers.
-        Raises ValueError for token IDs outside [0, 2**32) and TypeError for non-ints.
+        Returns how many leading tokens of ``tokens`` the worker held before (what
+        ``rollback`` needs). Raises ValueError for token IDs outside [0, 2**32) and
+        TypeError for non-ints.
+        """
+
+    def rollback(self, worker: str, tokens: _Tokens, keep: int) -> int:
+        """Undo an ``insert`` the worker refused: ``worker`` stops holding ``tokens``
+        past their first ``keep`` tokens (``keep`` is what ``insert`` returned), except
+        what another of its cached prefixes still passes through. Returns the tokens
+        dropped; 0 for an unknown worker. Raises like ``insert`` for bad tokens.
         """
 
     def match(self, tokens: _Tokens) -> dict[str, int]:

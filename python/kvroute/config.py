@@ -6,9 +6,10 @@ Names and defaults follow SGLang's router where the meaning is the same
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 from kvroute.routing.policies import POLICY_NAMES
 
@@ -38,22 +39,46 @@ def parse_worker_capacity(value: str) -> tuple[int | None, bool]:
     return n, False
 
 
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_WORKER_URL = re.compile(
+    r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://"
+    rf"(?P<host>\[[0-9A-Fa-f:.]+\]|{_LABEL}(?:\.{_LABEL})*)"
+    r"(?::(?P<port>[0-9]{1,5}))?"
+    r"(?P<path>(?:/[A-Za-z0-9._~-]*)*)"
+)
+
+
 def normalize_worker_url(url: str) -> str:
-    """Validate a worker URL (http/https, host, optional port) and strip a trailing '/'."""
-    if not isinstance(url, str) or not url:
+    """A worker URL parsed strictly: ``http(s)://host[:port][/path]`` where host is a
+    DNS name, an IPv4 address or a bracketed IPv6 address, and port in 1..65535; no
+    credentials, query or fragment. Returns it with scheme and host lower-cased and no
+    trailing '/'; raises ConfigError saying what is wrong."""
+    if not isinstance(url, str) or not url.strip():
         raise ConfigError("worker URL must be a non-empty string")
-    parts = urlsplit(url.strip())
-    if parts.scheme not in ("http", "https"):
-        raise ConfigError(f"worker URL {url!r}: scheme must be http or https")
-    if not parts.hostname:
-        raise ConfigError(f"worker URL {url!r}: missing host")
-    try:
-        parts.port  # noqa: B018 - raises on a bad port
-    except ValueError as e:
-        raise ConfigError(f"worker URL {url!r}: {e}") from None
-    if parts.query or parts.fragment or parts.username or parts.password:
-        raise ConfigError(f"worker URL {url!r}: no credentials, query or fragment allowed")
-    return url.strip().rstrip("/")
+    shown = repr(url[:200])
+    m = _WORKER_URL.fullmatch(url.strip())
+    if m is None:
+        raise ConfigError(
+            f"worker URL {shown} does not parse: expected http(s)://host[:port][/path] "
+            "(IPv6 hosts in brackets; no credentials, query or fragment)"
+        )
+    scheme, host, port = m["scheme"].lower(), m["host"].lower(), m["port"]
+    if scheme not in ("http", "https"):
+        raise ConfigError(f"worker URL {shown}: scheme must be http or https")
+    if host.startswith("["):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise ConfigError(f"worker URL {shown}: {host} is not an IPv6 address") from None
+    elif host.replace(".", "").isdigit():
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            raise ConfigError(f"worker URL {shown}: {host} is not an IPv4 address") from None
+    if port is not None and not 1 <= int(port) <= 65535:
+        raise ConfigError(f"worker URL {shown}: port must be in 1..65535")
+    netloc = host if port is None else f"{host}:{int(port)}"
+    return f"{scheme}://{netloc}{m['path']}".rstrip("/")
 
 
 def parse_worker_models(spec: str) -> tuple[str, list[str]]:
@@ -90,6 +115,12 @@ class Settings:
     eviction_interval_secs: float = 60.0
     request_timeout_secs: float = 1800.0
     first_byte_timeout_secs: float = 600.0
+    # Failure isolation (kvroute.service.attempts, .quarantine): the first-byte
+    # deadline's floor, how long a query of death's copies are refused, and the cap on
+    # client connections (0: from the file-descriptor limit at start).
+    first_byte_floor_secs: float = 60.0
+    quarantine_secs: float = 300.0
+    max_connections: int = 0
     connect_timeout_secs: float = 5.0
     max_retries: int = 3
     retry_backoff_secs: float = 0.0
@@ -161,6 +192,12 @@ class Settings:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
+        if self.first_byte_floor_secs <= 0:
+            raise ConfigError("--first-byte-floor-secs must be > 0")
+        if self.quarantine_secs < 0:
+            raise ConfigError("--quarantine-secs must be >= 0 (0 turns quarantine off)")
+        if self.max_connections < 0:
+            raise ConfigError("--max-connections must be >= 0 (0: from the fd limit)")
         if self.failure_cooldown_secs < 0:
             raise ConfigError("--failure-cooldown-secs must be >= 0")
         if self.shutdown_grace_secs < 0:

@@ -9,7 +9,11 @@ Exception tree::
     ├── ForbiddenError          403 permission_error: endpoint disabled by configuration
     ├── NotFoundError           404 not_found_error: unknown route or worker
     ├── PayloadTooLargeError    413 invalid_request_error: body over --max-body-bytes
+    ├── UnprocessableError      422 invalid_request_error: a well-formed admin request
+    │                           with a bad value (a worker URL that does not parse)
     ├── OverloadedError         429 rate_limit_error: admission queue full (Retry-After)
+    ├── UpstreamError           502 upstream_error: the request broke the connection to
+    │                           two workers (a query of death), or is quarantined
     ├── UnavailableError        503 service_unavailable: no healthy worker could serve
     └── GatewayTimeoutError     504 timeout_error: the request outlived --request-timeout-secs
 
@@ -68,6 +72,18 @@ class PayloadTooLargeError(RouterError):
     status = 413
     type = "invalid_request_error"
     code = "payload_too_large"
+
+
+class UnprocessableError(RouterError):
+    status = 422
+    type = "invalid_request_error"
+    code = "invalid_value"
+
+
+class UpstreamError(RouterError):
+    status = 502
+    type = "upstream_error"
+    code = "request_failed_on_workers"
 
 
 class OverloadedError(RouterError):

@@ -153,13 +153,24 @@ impl PyPrefixIndex {
         self.inner.read().max_tokens_per_worker()
     }
 
-    /// Record that `worker` holds `tokens`; returns nothing. Evicts over budget.
-    fn insert(&self, py: Python<'_>, worker: &str, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// Record that `worker` holds `tokens`; returns how many leading tokens it held
+    /// before. Evicts over budget.
+    fn insert(&self, py: Python<'_>, worker: &str, tokens: &Bound<'_, PyAny>) -> PyResult<u64> {
         let tokens = extract_tokens(tokens)?;
-        py.detach(|| {
-            self.inner.write().insert(worker, &tokens);
-        });
-        Ok(())
+        Ok(py.detach(|| self.inner.write().insert(worker, &tokens).held_before))
+    }
+
+    /// Undo an insert: `worker` stops holding `tokens` past its first `keep` tokens,
+    /// except what its other prefixes need. Returns the tokens dropped.
+    fn rollback(
+        &self,
+        py: Python<'_>,
+        worker: &str,
+        tokens: &Bound<'_, PyAny>,
+        keep: u64,
+    ) -> PyResult<u64> {
+        let tokens = extract_tokens(tokens)?;
+        Ok(py.detach(|| self.inner.write().rollback(worker, &tokens, keep)))
     }
 
     /// Matched prefix length per worker that holds any of `tokens`.

@@ -91,6 +91,15 @@ pub struct IndexStats {
     pub evicted_tokens: u64,
 }
 
+/// What [`PrefixIndex::insert`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Inserted {
+    /// Leading tokens of the insert the worker already held.
+    pub held_before: u64,
+    /// Tokens evicted by the worker's budget.
+    pub evicted: u64,
+}
+
 /// Prefix index over u32 token IDs with per-worker token budgets.
 #[derive(Debug)]
 pub struct PrefixIndex {
@@ -306,11 +315,12 @@ impl PrefixIndex {
 
     /// Record that `worker` holds `tokens` (and so every prefix of it); refresh its LRU
     /// position; evict the worker's least recently used tokens if it is over budget.
-    /// Returns the number of tokens evicted.
-    pub fn insert(&mut self, worker: &str, tokens: &[u32]) -> u64 {
+    /// Returns how much of `tokens` the worker held before, and how much was evicted
+    /// (what [`rollback`](Self::rollback) needs to undo the insert).
+    pub fn insert(&mut self, worker: &str, tokens: &[u32]) -> Inserted {
         let wid = self.intern(worker);
         if tokens.is_empty() {
-            return 0;
+            return Inserted::default();
         }
         self.clock += 1;
         let stamp = self.clock;
@@ -345,6 +355,7 @@ impl PrefixIndex {
         // Stamp the path root-first, so parents already hold the worker when a child
         // is added and the child can be counted.
         let mut prev = NIL;
+        let mut held_before = tokens.len() as u64;
         for &id in &path {
             let (generation, end_depth, edge_len) = {
                 let n = &self.nodes[id as usize];
@@ -371,6 +382,7 @@ impl PrefixIndex {
                 }
             };
             if added {
+                held_before = held_before.min(u64::from(end_depth) - edge_len);
                 if prev != NIL {
                     let p = &mut self.nodes[prev as usize];
                     let i = p.holder_pos(wid).expect("parent held by worker");
@@ -387,7 +399,10 @@ impl PrefixIndex {
         }
         let evicted = self.enforce_budget(wid);
         self.maybe_compact(wid);
-        evicted
+        Inserted {
+            held_before,
+            evicted,
+        }
     }
 
     // ---------------------------------------------------------------- eviction
@@ -696,6 +711,9 @@ impl PrefixIndex {
             .map(|(i, _)| i as u32)
     }
 }
+
+#[path = "tree_rollback.rs"]
+mod rollback;
 
 #[cfg(test)]
 #[path = "tree_tests.rs"]

@@ -270,3 +270,70 @@ fn randomized_against_reference() {
         }
     }
 }
+
+#[test]
+fn insert_reports_what_was_held_before() {
+    let mut idx = PrefixIndex::new(None);
+    assert_eq!(idx.insert("a", &[1, 2, 3]).held_before, 0);
+    assert_eq!(idx.insert("a", &[1, 2, 3, 4, 5]).held_before, 3);
+    assert_eq!(idx.insert("a", &[1, 2, 9]).held_before, 2);
+    assert_eq!(idx.insert("a", &[1, 2]).held_before, 2);
+    assert_eq!(idx.insert("b", &[1, 2, 3]).held_before, 0);
+}
+
+#[test]
+fn rollback_undoes_an_insert_exactly() {
+    let mut idx = PrefixIndex::new(None);
+    idx.insert("a", &[1, 2, 3]);
+    idx.insert("b", &[1, 2, 3, 4, 5, 6]);
+    let keep = idx.insert("a", &[1, 2, 3, 4, 5, 6, 7]).held_before;
+    assert_eq!(keep, 3);
+    assert_eq!(idx.rollback("a", &[1, 2, 3, 4, 5, 6, 7], keep), 4);
+    idx.check_invariants();
+    assert_eq!(idx.cached_tokens("a"), 3);
+    assert_eq!(
+        sorted(idx.match_all(&[1, 2, 3, 4, 5, 6, 7])),
+        vec![("a".into(), 3), ("b".into(), 6)]
+    );
+    // A fresh prompt rolled back leaves nothing; the tree frees what nobody holds.
+    let keep = idx.insert("c", &[8, 8, 8]).held_before;
+    assert_eq!(idx.rollback("c", &[8, 8, 8], keep), 3);
+    assert_eq!(idx.longest_match(&[8, 8, 8]), (0, vec![]));
+    idx.check_invariants();
+}
+
+#[test]
+fn rollback_keeps_what_other_prefixes_of_the_worker_need() {
+    let mut idx = PrefixIndex::new(None);
+    let keep = idx.insert("a", &[1, 2, 3, 4]).held_before;
+    idx.insert("a", &[1, 2, 3, 9, 9]); // accepted meanwhile, shares [1, 2, 3]
+    assert_eq!(idx.rollback("a", &[1, 2, 3, 4], keep), 1);
+    idx.check_invariants();
+    assert_eq!(
+        sorted(idx.match_all(&[1, 2, 3, 9, 9])),
+        vec![("a".into(), 5)]
+    );
+    assert_eq!(sorted(idx.match_all(&[1, 2, 3, 4])), vec![("a".into(), 3)]);
+    assert_eq!(idx.rollback("nobody", &[1, 2], 0), 0);
+}
+
+#[test]
+fn rollback_of_random_inserts_keeps_invariants() {
+    let mut rng = SmallRng::seed_from_u64(7);
+    let mut idx = PrefixIndex::new(Some(200));
+    for _ in 0..2000 {
+        let w = ["a", "b", "c"][rng.gen_range(0..3)];
+        let n = rng.gen_range(1..40);
+        let tokens: Vec<u32> = (0..n).map(|_| rng.gen_range(0..4)).collect();
+        let before = idx.cached_tokens(w);
+        let ins = idx.insert(w, &tokens);
+        if rng.gen_bool(0.5) && ins.evicted == 0 {
+            idx.rollback(w, &tokens, ins.held_before);
+            // Exactly what the worker held before the insert.
+            assert_eq!(idx.cached_tokens(w), before);
+            let held = idx.match_all(&tokens).into_iter().find(|(x, _)| x == w);
+            assert_eq!(held.map_or(0, |(_, m)| u64::from(m)), ins.held_before);
+        }
+        idx.check_invariants();
+    }
+}

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 
 from kvroute.eval.procs import Server
-from support import control
+from support import control, records
 
 Fleet = Callable[..., tuple[Server, list[Server]]]
 
@@ -94,11 +94,16 @@ def test_repeated_5xx_opens_the_circuit(fleet: Fleet) -> None:
         statuses = [
             c.post("/v1/completions", json={"prompt": f"{i}"}).status_code for i in range(12)
         ]
-    # 503s pass through until the third one opens the circuit; then only the good worker.
-    assert statuses.count(503) == 3
-    assert statuses[-4:] == [200] * 4
+    # Each 503 is retried on the good worker; the third one opens the circuit.
+    assert statuses == [200] * 12
+    assert len(records(workers[0])) == 3
     ws = settle(router)
     assert ws[workers[0].url]["circuit_open"] is True
+    # Other error answers pass through unchanged and are not retried.
+    control(workers[0], mode="ok")
+    control(workers[1], mode="error", status=500)
+    r = httpx.post(router.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
+    assert r.status_code == 500 and r.json()["error"]["message"] == "worker says no"
 
 
 def test_worker_refusing_at_startup_then_coming_back(

@@ -132,7 +132,7 @@ def test_workers_added_and_removed_at_run_time(
     assert [w["url"] for w in httpx.get(router.url + "/workers").json()] == [workers[0].url]
     assert httpx.delete(router.url + "/workers/http%3A%2F%2Fnope").status_code == 404
     bad = httpx.post(router.url + "/workers", json={"url": "ftp://x"})
-    assert bad.status_code == 400 and "scheme" in bad.json()["error"]["message"]
+    assert bad.status_code == 422 and "scheme" in bad.json()["error"]["message"]
 
 
 def test_flush_cache_reaches_workers_and_clears_index(fleet: Fleet) -> None:

@@ -13,11 +13,18 @@ from kvroute.fleet.registry import Registry
 A, B, C = "http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"
 
 
+def up(reg: Registry, *urls: str) -> None:
+    """What each worker's first good health check does (no traffic before it)."""
+    for url in urls:
+        reg.record_check(url, True)
+
+
 def test_a_draining_worker_finishes_its_requests_then_leaves() -> None:
     removed: list[str] = []
     reg = Registry(Settings(), on_down=removed.append)
     reg.add(A)
     reg.add(B)
+    up(reg, A, B)
     first, second = reg.reserve(A), reg.reserve(A)
     reg.drain(A)
     assert set(reg.loads()) == {B}  # no new requests
@@ -34,6 +41,7 @@ def test_an_idle_worker_leaves_at_once_and_a_returning_one_stops_draining() -> N
     reg.drain(A)
     assert A not in reg.workers
     reg.add(B)
+    up(reg, B)
     res = reg.reserve(B)
     reg.drain(B)
     reg.add(B)  # back in the answer before its request ended
@@ -52,6 +60,7 @@ def test_reconciler_adds_drains_and_leaves_static_workers_alone() -> None:
     reg.add(C)  # from --worker-urls
     rec = Reconciler(reg, on_left)
     rec.apply({A, B})
+    up(reg, A, B, C)
     assert set(reg.workers) == {A, B, C}
     held = reg.reserve(B)
     rec.apply({A})

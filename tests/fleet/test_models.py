@@ -100,6 +100,7 @@ def test_registry_routes_only_to_workers_serving_the_model() -> None:
     reg = _registry("http://a:1=alpha,alpha-sql")
     for url in ("http://a:1", "http://b:1", "http://c:1"):
         reg.add(url)
+        reg.record_check(url, True)  # its first health check: traffic from now on
     reg.set_models("http://b:1", [ServedModel("beta")])
     # c's models are unknown: it serves anything until its /v1/models answers.
     assert set(reg.loads(model="alpha-sql")) == {"http://a:1", "http://c:1"}

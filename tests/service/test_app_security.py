@@ -3,10 +3,12 @@ worker URLs added through the admin API are validated."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import signal
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -87,6 +89,16 @@ BAD_URLS = [
     "http://127.0.0.1:99999",
     "http://127.0.0.1:8000/?next=x",
     "127.0.0.1:8000",
+    "http://[::1]x:80",  # garbage after the IPv6 brackets
+    "http://[::1:80",
+    "http://[zz]:80",
+    "http://[::1]:0",
+    "http://127.0.0.1:-1",
+    "http://127.0.0.1:+80",
+    "http://999.0.0.1:80",
+    "http://ho st:80",
+    "http://h_st:80",
+    "http://127.0.0.1:8000#frag",
     "",
     123,
     None,
@@ -105,7 +117,63 @@ async def test_workers_added_at_run_time_are_validated(url: object) -> None:
         httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as c,
     ):
         r = await c.post("/workers", json={"url": url})
-        assert r.status_code == 400, r.text
+        assert r.status_code == 422, r.text
         err = r.json()["error"]
         assert err["type"] == "invalid_request_error" and err["code"] and err["message"]
         assert list(app.state.router.registry.workers) == ["http://w1:8000"]
+
+
+ODD_PATHS = [
+    "http%3A%2F%2F%5B%3A%3A1%5Dx%3A80",  # the bad URL, encoded
+    "http://[::1]x:80",
+    "%",
+    "%ZZ",
+    "%00",
+    "%C3%28",  # invalid UTF-8
+    "[",
+    "x" * 5000,
+    "http://127.0.0.1:99999",
+    "http://w1:8000/extra/../..",
+]
+
+
+async def test_delete_of_any_string_is_404_or_200_never_500() -> None:
+    from kvroute.config import Settings
+    from kvroute.service.app import create_app
+
+    app = create_app(Settings(worker_urls=["http://w1:8000", "http://[::1]:8001"]).validate())
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as c,
+    ):
+        for path in ODD_PATHS:
+            r = await c.delete("/workers/" + path)
+            assert r.status_code == 404, (path, r.status_code, r.text)
+            assert r.json()["error"]["code"] == "not_found"
+        # Spelled differently (upper-case host, trailing slash), percent-encoded: found.
+        r = await c.delete("/workers/" + quote("HTTP://[::1]:8001/", safe=""))
+        assert r.status_code == 200, r.text
+        assert list(app.state.router.registry.workers) == ["http://w1:8000"]
+
+
+async def test_ipv6_workers_are_accepted_and_probed_before_traffic() -> None:
+    from kvroute.config import Settings
+    from kvroute.service.app import create_app
+
+    app = create_app(Settings(worker_urls=["http://w1:8000"]).validate())
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as c,
+    ):
+        r = await c.post("/workers", json={"url": "http://[::1]:1/"})
+        assert r.status_code == 201, r.text
+        assert r.json() == {"url": "http://[::1]:1", "added": True, "healthy": None}
+        state = app.state.router
+        assert "http://[::1]:1" not in state.registry.loads(), "no traffic before its check"
+        for _ in range(200):  # the probe: nothing listens on port 1
+            if state.registry.workers["http://[::1]:1"].healthy is not None:
+                break
+            await asyncio.sleep(0.01)
+        listed = {w["url"]: w for w in (await c.get("/workers")).json()}
+        assert listed["http://[::1]:1"]["healthy"] is False
+        assert "ConnectError" in listed["http://[::1]:1"]["down_reason"]

@@ -202,8 +202,25 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--first-byte-timeout-secs",
         type=float,
         default=600.0,
-        help="longest wait for a worker's first response byte before the worker "
-        "is marked down and the request retried elsewhere",
+        help="cap on the wait for a worker's first response byte, after which the worker "
+        "is marked down and the request retried elsewhere; the deadline of each request is "
+        "derived from its prompt size (see --first-byte-floor-secs) and never longer",
+    )
+    n.add_argument(
+        "--first-byte-floor-secs",
+        type=float,
+        default=60.0,
+        help="least time a request waits for a worker's first byte (unless the cap "
+        "--first-byte-timeout-secs is lower): its deadline is this plus the prompt at a "
+        "slow prefill rate (100 tokens/s), plus its output at 2 tokens/s when not "
+        "streamed, at most the cap (docs/failure-semantics.md)",
+    )
+    n.add_argument(
+        "--max-connections",
+        type=int,
+        default=0,
+        help="client connections served at once; past it new requests get a 503 "
+        "(0: half the open-file limit, which is raised to its hard maximum at start)",
     )
     n.add_argument(
         "--connect-timeout-secs",
@@ -257,6 +274,13 @@ def configure(p: argparse.ArgumentParser) -> None:
         type=float,
         default=10.0,
         help="how long an open circuit keeps the worker out",
+    )
+    r.add_argument(
+        "--quarantine-secs",
+        type=float,
+        default=300.0,
+        help="a request that broke the connection to two workers gets a 502 and its copies "
+        "(same prompt tokens) are refused this long (0: off)",
     )
     r.add_argument(
         "--max-concurrent-requests",
@@ -375,6 +399,16 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(settings.log_level, settings.log_format)
     log = logging.getLogger("kvroute")
     from kvroute.service.app import create_app
+    from kvroute.service.limits import default_max_connections, raise_open_file_limit
+
+    open_files = raise_open_file_limit()
+    if not settings.max_connections:
+        settings.max_connections = default_max_connections(open_files)
+    log.info(
+        "open-file limit %d; up to %d client connections (--max-connections)",
+        open_files,
+        settings.max_connections,
+    )
 
     app = create_app(settings)
     state = app.state.router
@@ -400,8 +434,10 @@ def serve(app: FastAPI, settings: Settings) -> None:
     import uvicorn
 
     from kvroute.commands._logs import uvicorn_log_config
+    from kvroute.service.limits import install_busy_answer
 
     state: RouterState = app.state.router
+    install_busy_answer()
 
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -418,6 +454,7 @@ def serve(app: FastAPI, settings: Settings) -> None:
         # access log stays off, the router writes a richer one (service/accesslog.py).
         log_config=uvicorn_log_config(settings.log_level),
         access_log=False,
+        limit_concurrency=settings.max_connections or None,
         # uvicorn hands this to asyncio.wait_for, which takes fractions of a second too.
         timeout_graceful_shutdown=settings.shutdown_grace_secs,  # type: ignore[arg-type]
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from kvroute.commands.simulate import add_output_blocks_flag
 from kvroute.sim import cost
@@ -101,6 +102,19 @@ def configure(p: argparse.ArgumentParser) -> None:
         default=None,
         help="ZMQ ROUTER endpoint serving replays of buffered event batches",
     )
+    p.add_argument(
+        "--poison-marker",
+        default=None,
+        help="fault injection: a request whose body contains this text is never answered "
+        "(see --poison-action)",
+    )
+    p.add_argument(
+        "--poison-action",
+        choices=("crash", "drop"),
+        default="crash",
+        help="what a poisoned request does: crash exits the process, drop closes only its "
+        "connection (default %(default)s)",
+    )
     p.add_argument("--log-level", default="warning")
 
 
@@ -135,12 +149,26 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"kvroute sim-worker: {e}", file=sys.stderr)
         return 2
-    uvicorn.run(
-        create_app(config),
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        access_log=False,
-        timeout_graceful_shutdown=2,
+    app: Any = create_app(config)
+    server: uvicorn.Server | None = None
+    if args.poison_marker:
+        from kvroute.sim.faults import Poisoned
+
+        app = Poisoned(
+            app,
+            args.poison_marker.encode(),
+            args.poison_action,
+            lambda: server.server_state.connections if server is not None else (),
+        )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            access_log=False,
+            timeout_graceful_shutdown=2,
+        )
     )
+    server.run()
     return 0

@@ -10,6 +10,7 @@ requests finish, no new ones) and leave; a source that fails keeps the last know
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from kvroute.config import Settings
 from kvroute.fleet.reconcile import OnLeft, Reconciler
@@ -17,13 +18,16 @@ from kvroute.fleet.registry import Registry
 
 
 def start_discovery(
-    settings: Settings, registry: Registry, on_left: OnLeft | None = None
+    settings: Settings,
+    registry: Registry,
+    on_left: OnLeft | None = None,
+    on_joined: Callable[[str], None] | None = None,
 ) -> asyncio.Task[None] | None:
     """The discovery task ``--service-discovery`` asks for (None for a static fleet)."""
     mode = settings.service_discovery
     if mode == "static":
         return None
-    reconciler = Reconciler(registry, on_left)
+    reconciler = Reconciler(registry, on_left, on_joined)
     if mode == "dns":
         from kvroute.fleet.discovery_dns import DnsSource, dns_loop
 

@@ -1,7 +1,11 @@
 """Active health checks, and the engines' load read after each one.
 
 Every ``health_check_interval_secs`` each worker's health endpoint is asked; the
-registry turns the answers into up/down (``kvroute.fleet.registry``). With the
+registry turns the answers into up/down (``kvroute.fleet.registry``). A new worker is
+checked at once (``check_worker``; the router's own start-up waits for one round), since
+it takes no traffic until its first check answers. A check that times out while a
+request has waited on the worker a whole interval without an answer marks it down at
+once (hung: alive enough to accept connections, answering nothing). With the
 saturation guard on, a healthy worker's ``/metrics`` is read right after: its
 running/waiting counts feed the capacity learner and the load its engine holds beyond
 this router's own requests (``kvroute.fleet.engine_load``), and, with its KV cache
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Protocol
 
 import httpx
@@ -80,27 +85,42 @@ async def refresh_models(state: Checked, url: str) -> None:
         state.registry.set_models(url, models)
 
 
-async def health_loop(state: Checked) -> None:
+async def check_worker(state: Checked, url: str) -> None:
+    """One health check of ``url``, its result recorded."""
     s = state.settings
+    registry = state.registry
+    try:
+        r = await state.client.get(
+            url + s.health_check_endpoint, timeout=s.health_check_timeout_secs
+        )
+    except httpx.TimeoutException as e:
+        w = registry.workers.get(url)
+        quiet = w is not None and time.monotonic() - w.last_answer >= s.health_check_interval_secs
+        if quiet and registry.waiting(url):
+            registry.record_hung(url, type(e).__name__)
+        else:
+            registry.record_check(url, False, type(e).__name__)
+        return
+    except httpx.HTTPError as e:
+        registry.record_check(url, False, type(e).__name__)
+        return
+    if r.status_code == 200:
+        # What it serves is known before it takes traffic (a new worker's first check).
+        await refresh_models(state, url)
+    registry.record_check(url, r.status_code == 200, f"HTTP {r.status_code}")
+    if state.polls_engine and r.status_code == 200:
+        await poll_engine_load(state, url)
+
+
+async def check_all(state: Checked) -> None:
+    """One round: every worker checked at once."""
+    try:
+        await asyncio.gather(*(check_worker(state, u) for u in list(state.registry.workers)))
+    except Exception:  # never let one bad check end health checking
+        log.exception("health check round failed")
+
+
+async def health_loop(state: Checked) -> None:
     while True:
-        urls = list(state.registry.workers)
-
-        async def check(url: str) -> None:
-            try:
-                r = await state.client.get(
-                    url + s.health_check_endpoint, timeout=s.health_check_timeout_secs
-                )
-                state.registry.record_check(url, r.status_code == 200, f"HTTP {r.status_code}")
-            except httpx.HTTPError as e:
-                state.registry.record_check(url, False, type(e).__name__)
-                return
-            if r.status_code == 200:
-                await refresh_models(state, url)
-                if state.polls_engine:
-                    await poll_engine_load(state, url)
-
-        try:
-            await asyncio.gather(*(check(u) for u in urls))
-        except Exception:  # never let one bad check end health checking
-            log.exception("health check round failed")
-        await asyncio.sleep(s.health_check_interval_secs)
+        await check_all(state)
+        await asyncio.sleep(state.settings.health_check_interval_secs)

@@ -37,15 +37,24 @@ def worker_url(address: str, port: int) -> str:
 class Reconciler:
     """Applies a source's successive URL sets to the registry."""
 
-    def __init__(self, registry: Registry, on_left: OnLeft | None = None) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        on_left: OnLeft | None = None,
+        on_joined: Callable[[str], None] | None = None,
+    ) -> None:
         self.registry = registry
         self.on_left = on_left
+        # Called for each new worker (the app probes it at once: no traffic until then).
+        self.on_joined = on_joined
         self.known: set[str] = set()
         self.leaving: set[str] = set()  # drained, waiting for their in-flight to end
 
     def apply(self, urls: set[str]) -> None:
         for url in sorted(urls - self.known):
             self.registry.add(url)
+            if self.on_joined is not None:
+                self.on_joined(url)
         for url in sorted(self.known - urls):
             self.registry.drain(url)
             self.leaving.add(url)

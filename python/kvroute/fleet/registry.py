@@ -5,16 +5,27 @@ end. ``reserve`` increments it in the same synchronous step as the policy decisi
 returns a ``Reservation`` whose ``release`` decrements it exactly once, whatever ends
 the request (success, upstream error, timeout, client disconnect).
 
-Health: a worker leaves the rotation when
-* a request to it fails before any response byte (connection refused/reset, connect or
-  first-byte timeout) — passive detection, immediate; it then sits out at least
-  ``failure_cooldown_secs`` even if its health endpoint still answers;
-* ``health_failure_threshold`` consecutive active checks fail;
-* its circuit breaker opens: ``circuit_breaker_failures`` consecutive 5xx answers; it is
-  then skipped for ``circuit_breaker_cooldown_secs`` and let back in (half-open) after.
+Health: a new worker's health is unknown (``healthy is None``) and it takes no traffic
+until its first check answers (``kvroute.fleet.health`` probes it at once). A worker
+leaves the rotation when
+* the router cannot reach it (connection refused, connect timeout) or it does not send a
+  first byte within the request's deadline — passive detection, immediate; it then sits
+  out at least ``failure_cooldown_secs`` even if its health endpoint still answers;
+* requests fail on it before any answer (connection reset or closed) for
+  ``REQUEST_FAILURES_TO_MARK_DOWN`` *different* requests within
+  ``REQUEST_FAILURE_WINDOW_SECS``: one request failing everywhere (a query of death)
+  proves nothing about the workers, only about the request (``record_request_failure``);
+* ``health_failure_threshold`` consecutive active checks fail, or one check times out
+  while a request on it has waited a whole health interval for its first byte (hung);
+* its circuit breaker opens: ``circuit_breaker_failures`` consecutive 5xx answers. It
+  is then skipped for ``circuit_breaker_cooldown_secs`` and goes half-open: one request
+  is let through (``available`` is false while it is out) and decides: an answer below
+  500 closes the circuit, a 5xx or a failure opens it for another cooldown. A worker
+  still broken costs at most one request per cooldown.
 It comes back after ``health_success_threshold`` consecutive successful checks. When a
 worker goes down its prefixes are dropped from the index, so the policy spreads them over
-the survivors by load instead of guessing that a dead cache still holds them.
+the survivors by load instead of guessing that a dead cache still holds them; requests
+waiting on it for a first byte are told at once (``watch``) so they move elsewhere.
 
 Draining: service discovery (``kvroute.fleet.discovery``) ``drain``s a worker whose
 address vanished: it takes no new request, its in-flight ones finish, and it is removed
@@ -27,18 +38,26 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvroute.config import Settings, normalize_worker_url, parse_worker_models
 from kvroute.fleet.models import ServedModel, named_models
 
 log = logging.getLogger("kvroute.fleet.registry")
 
+# A worker on which this many different requests failed before any answer (connection
+# reset or closed), within the window, is marked down.
+REQUEST_FAILURES_TO_MARK_DOWN = 2
+REQUEST_FAILURE_WINDOW_SECS = 30.0
+
+Watcher = Callable[[str], None]
+
 
 @dataclass(slots=True)
 class Worker:
     url: str
-    healthy: bool = True
+    # None: not checked yet (no traffic until the first check answers).
+    healthy: bool | None = None
     in_flight: int = 0
     served: int = 0
     failed: int = 0
@@ -57,22 +76,33 @@ class Worker:
     models: dict[str, ServedModel] | None = None
     models_fixed: bool = False
 
+    # When the worker last sent a first byte (passive hung detection).
+    last_answer: float = 0.0
+    # Circuit breaker: half-open once the cooldown is over; a probe request is out.
+    half_open: bool = False
+    probing: bool = False
+    # Request fingerprint -> when it last failed here before any answer.
+    request_failures: dict[int, float] = field(default_factory=dict)
+    # Requests waiting on this worker for a first byte: told when it leaves rotation.
+    watchers: set[Watcher] = field(default_factory=set)
+
     def serves(self, model: str | None) -> bool:
         return model is None or self.models is None or model in self.models
 
     def available(self, now: float) -> bool:
         return (
-            self.healthy
+            self.healthy is True
             and not self.draining
             and now >= self.circuit_open_until
             and now >= self.cooldown_until
+            and not self.probing
         )
 
 
 class Reservation:
     """One unit of load on one worker; ``release`` is idempotent."""
 
-    __slots__ = ("_on_release", "_registry", "released", "worker")
+    __slots__ = ("_on_release", "_registry", "probe", "released", "worker")
 
     def __init__(
         self, registry: Registry, worker: Worker, on_release: Callable[[], None] | None = None
@@ -82,11 +112,16 @@ class Reservation:
         self.worker = worker
         self.released = False
         self._on_release = on_release
+        # The half-open circuit's probe: if it ends undecided (the client left, the
+        # attempt was moved), the next request probes.
+        self.probe = False
 
     def release(self) -> None:
         if not self.released:
             self.released = True
             self.worker.in_flight -= 1
+            if self.probe:
+                self.worker.probing = False
             if self._on_release is not None:
                 self._on_release()
             if self.worker.draining and self.worker.in_flight == 0:
@@ -134,6 +169,7 @@ class Registry:
         if w is not None:
             if self._on_down is not None:
                 self._on_down(url)
+            self._evict_waiters(w, "worker removed")
             log.info("worker removed: %s", url)
         return w
 
@@ -200,11 +236,48 @@ class Registry:
         return False
 
     def reserve(self, url: str, on_release: Callable[[], None] | None = None) -> Reservation:
-        """One unit of load on ``url``; ``on_release`` runs once when it is released."""
+        """One unit of load on ``url``; ``on_release`` runs once when it is released.
+        The first request after an open circuit's cooldown is its half-open probe."""
         w = self.workers[url]
         w.in_flight += 1
         w.served += 1
-        return Reservation(self, w, on_release)
+        res = Reservation(self, w, on_release)
+        if w.half_open and time.monotonic() >= w.circuit_open_until:
+            w.probing = res.probe = True
+        return res
+
+    def unserve(self, url: str) -> None:
+        """The request counted in ``reserve`` was refused or failed: not served."""
+        w = self.workers.get(url)
+        if w is not None and w.served > 0:
+            w.served -= 1
+
+    def watch(self, url: str, watcher: Watcher) -> None:
+        """Call ``watcher(reason)`` once if ``url`` leaves rotation before ``unwatch``."""
+        w = self.workers.get(url)
+        if w is not None:
+            w.watchers.add(watcher)
+
+    def unwatch(self, url: str, watcher: Watcher) -> None:
+        w = self.workers.get(url)
+        if w is not None:
+            w.watchers.discard(watcher)
+
+    def answered(self, url: str) -> None:
+        """``url`` just sent a first byte: it is not hung."""
+        w = self.workers.get(url)
+        if w is not None:
+            w.last_answer = time.monotonic()
+
+    def waiting(self, url: str) -> int:
+        """Requests waiting on ``url`` for a first byte."""
+        w = self.workers.get(url)
+        return len(w.watchers) if w is not None else 0
+
+    def _evict_waiters(self, w: Worker, reason: str) -> None:
+        watchers, w.watchers = w.watchers, set()
+        for watcher in watchers:
+            watcher(reason)
 
     def healthy_count(self) -> int:
         now = time.monotonic()
@@ -222,12 +295,36 @@ class Registry:
             w.cooldown_until = time.monotonic() + self.settings.failure_cooldown_secs
         w.failed += 1
         w.check_successes = 0
-        if w.healthy:
+        if w.probing:  # a half-open probe failed: open again
+            self._open_circuit(w)
+        if w.healthy is not False:
             w.healthy = False
             w.down_reason = reason
+            w.request_failures.clear()
             log.warning("worker %s marked down: %s", url, reason)
             if self._on_down is not None:
                 self._on_down(url)
+        self._evict_waiters(w, reason)
+
+    def record_request_failure(self, url: str, fingerprint: int, what: str) -> bool:
+        """A request failed on ``url`` before any answer (reset, closed): the request or
+        the worker may be to blame. Marks the worker down (passively) once different
+        requests failed on it within the window; True if it did."""
+        w = self.workers.get(url)
+        if w is None:
+            return False
+        now = time.monotonic()
+        recent = w.request_failures
+        for fp, t in list(recent.items()):
+            if now - t > REQUEST_FAILURE_WINDOW_SECS:
+                del recent[fp]
+        recent[fingerprint] = now
+        if w.probing:
+            self._open_circuit(w)
+        if len(recent) >= REQUEST_FAILURES_TO_MARK_DOWN:
+            self.mark_down(url, f"{what} on {len(recent)} different requests", passive=True)
+            return True
+        return False
 
     def record_check(self, url: str, ok: bool, detail: str = "") -> None:
         w = self.workers.get(url)
@@ -237,17 +334,26 @@ class Registry:
         if ok:
             w.check_failures = 0
             w.check_successes += 1
-            if not w.healthy and w.check_successes >= s.health_success_threshold:
+            if w.healthy is None:
+                w.healthy = True
+                log.info("worker %s answered its first health check", url)
+            elif not w.healthy and w.check_successes >= s.health_success_threshold:
                 w.healthy = True
                 w.down_reason = ""
                 w.consecutive_5xx = 0
                 w.circuit_open_until = 0.0
+                w.half_open = w.probing = False
                 log.info("worker %s is back", url)
         else:
             w.check_successes = 0
             w.check_failures += 1
-            if w.healthy and w.check_failures >= s.health_failure_threshold:
+            if w.healthy is None or w.check_failures >= s.health_failure_threshold:
                 self.mark_down(url, f"health check failed: {detail}")
+
+    def record_hung(self, url: str, detail: str) -> None:
+        """A health check timed out while a request has waited on the worker a whole
+        health interval for its first byte: it is hung, not slow; out at once."""
+        self.mark_down(url, f"hung ({detail} with requests waiting)", passive=True)
 
     def record_status(self, url: str, status: int) -> None:
         """Feed the circuit breaker with an upstream answer's status."""
@@ -256,15 +362,20 @@ class Registry:
             return
         if status >= 500:
             w.consecutive_5xx += 1
-            if w.consecutive_5xx >= self.settings.circuit_breaker_failures:
-                w.circuit_open_until = (
-                    time.monotonic() + self.settings.circuit_breaker_cooldown_secs
-                )
-                w.consecutive_5xx = 0
-                log.warning(
-                    "worker %s: circuit open for %.0fs after repeated 5xx",
-                    url,
-                    self.settings.circuit_breaker_cooldown_secs,
-                )
+            if w.probing or w.consecutive_5xx >= self.settings.circuit_breaker_failures:
+                self._open_circuit(w)
         else:
             w.consecutive_5xx = 0
+            if w.half_open:
+                w.half_open = w.probing = False
+                w.circuit_open_until = 0.0
+                log.info("worker %s: half-open probe answered, circuit closed", url)
+
+    def _open_circuit(self, w: Worker) -> None:
+        cooldown = self.settings.circuit_breaker_cooldown_secs
+        w.circuit_open_until = time.monotonic() + cooldown
+        w.consecutive_5xx = 0
+        w.half_open = True
+        w.probing = False
+        log.warning("worker %s: circuit open for %gs", w.url, cooldown)
+        self._evict_waiters(w, "circuit open")

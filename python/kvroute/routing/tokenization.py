@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import contextlib
 import logging
 import os
 import re
@@ -67,6 +68,11 @@ def _token_list(value: Any, field: str) -> array.array[int]:
     try:
         return array.array("I", value)
     except (TypeError, OverflowError):
+        # JSON does not tell 7 from 7.0 and JSON Schema's "integer" takes both (so do
+        # the engines' pydantic models): whole floats are token IDs too.
+        if all((isinstance(v, float) and v.is_integer()) or isinstance(v, int) for v in value):
+            with contextlib.suppress(TypeError, OverflowError, ValueError):
+                return array.array("I", [int(v) for v in value])
         bad = next(
             (
                 v

@@ -31,12 +31,14 @@ from kvroute.errors import (
     OverloadedError,
     RouterError,
     UnauthorizedError,
+    UnprocessableError,
     error_response,
 )
 from kvroute.fleet.discovery import start_discovery
-from kvroute.fleet.health import health_loop, refresh_models
+from kvroute.fleet.health import check_all, check_worker, health_loop, refresh_models
 from kvroute.fleet.models import listing, named_models
 from kvroute.routing.tokenization import PromptTokenizer
+from kvroute.service import openapi
 from kvroute.service.fastpath import RouterApp
 from kvroute.service.passthrough import PassThrough
 from kvroute.service.proxy import Forwarder, ProxyStream, parse_object, read_body
@@ -47,19 +49,6 @@ from kvroute.service.status import render as render_status
 from kvroute.service.upstream import Forward, create_client
 
 log = logging.getLogger("kvroute.service.app")
-
-OPENAI_BODY = {
-    "requestBody": {
-        "content": {"application/json": {"schema": {"type": "object"}}},
-        "required": True,
-    }
-}
-UPLOAD_BODY = {
-    "requestBody": {
-        "content": {"multipart/form-data": {"schema": {"type": "object"}}},
-        "required": True,
-    }
-}
 
 
 def _bearer(request: Request) -> str:
@@ -74,6 +63,15 @@ def _key_ok(given: str, expected: str) -> bool:
 def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> FastAPI:
     state = build_state(settings, tokenizer)
 
+    probes: set[asyncio.Task[None]] = set()
+
+    def probe(url: str) -> None:
+        """Check a worker that just joined at once (admin API, discovery): it takes no
+        traffic until its first check, which also reads the models it serves."""
+        task = asyncio.create_task(check_worker(state, url))
+        probes.add(task)
+        task.add_done_callback(probes.discard)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         s = state.settings
@@ -83,8 +81,13 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
             pool_s=s.queue_timeout_secs,
         )
         state.forward = Forward(state.client, state.pools)
+        # Workers take no traffic before their first check: check them all before
+        # serving (a check times out after --health-check-timeout-secs).
+        await check_all(state)
         task = asyncio.create_task(health_loop(state))
-        discovery = start_discovery(s, state.registry, state.pools.drop if state.pools else None)
+        discovery = start_discovery(
+            s, state.registry, state.pools.drop if state.pools else None, probe
+        )
         if state.subscriber is not None:
             await asyncio.to_thread(state.subscriber.start)
         try:
@@ -209,16 +212,23 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
         return handle
 
     for route_path, route in ROUTES.items():
+        if route.kind in openapi.BODIES:
+            body_schema = openapi.body(openapi.BODIES[route.kind])
+        elif route_path.startswith("/v1/audio/"):
+            body_schema = openapi.UPLOAD_BODY
+        else:  # passed through untouched: any JSON object
+            body_schema = openapi.body({"type": "object"})
         app.add_api_route(
             route_path,
             endpoint(route.kind, route.worker_path),
             methods=["POST"],
-            openapi_extra=UPLOAD_BODY if route_path.startswith("/v1/audio/") else OPENAI_BODY,
+            openapi_extra=body_schema,
+            responses=openapi.INFERENCE,
         )
 
     # ------------------------------------------------------------- fleet
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=openapi.ROUTES["models"])
     async def models(request: Request) -> Response:
         """Each model the healthy workers serve, once; workers whose models are not
         known yet are asked now."""
@@ -228,11 +238,11 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
         served = [m for w in healthy if w.models for m in w.models.values()]
         return JSONResponse({"object": "list", "data": listing(served)})
 
-    @app.get("/health")
+    @app.get("/health", responses=openapi.ROUTES["health"])
     async def health() -> Response:
         return JSONResponse({"status": "ok"})
 
-    @app.get("/readiness")
+    @app.get("/readiness", responses=openapi.ROUTES["readiness"])
     async def readiness() -> Response:
         n = state.registry.healthy_count()
         if n == 0:
@@ -241,11 +251,11 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
             )
         return JSONResponse({"status": "ready", "healthy_workers": n})
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=openapi.ROUTES["metrics"])
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/status")
+    @app.get("/status", responses=openapi.ROUTES["status"])
     async def status(request: Request) -> Response:
         check_api_key(request)
         m = state.metrics
@@ -259,39 +269,47 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
         )
         return HTMLResponse(page)
 
-    @app.get("/workers")
+    @app.get("/workers", responses=openapi.ROUTES["list_workers"])
     async def list_workers(request: Request) -> Response:
         check_api_key(request)
         return Response(orjson.dumps(state.workers_json()), media_type="application/json")
 
-    @app.post("/workers", openapi_extra=OPENAI_BODY)
+    @app.post(
+        "/workers",
+        openapi_extra=openapi.body(openapi.ADD_WORKER),
+        responses=openapi.ROUTES["add_worker"],
+    )
     async def add_worker(request: Request) -> Response:
         check_admin(request)
         obj = parse_object(await read_body(request, 64 * 1024))
         try:
             url = normalize_worker_url(obj.get("url"))  # type: ignore[arg-type]
         except ConfigError as e:
-            raise BadRequestError(str(e)) from None
+            raise UnprocessableError(str(e), code="invalid_worker_url") from None
         names = obj.get("models")
         if names is not None and (
             not isinstance(names, list)
             or not names
             or not all(isinstance(n, str) and n for n in names)
         ):
-            raise BadRequestError(
+            raise UnprocessableError(
                 "'models' must be a non-empty list of model names (the base model first, "
-                "then its LoRA adapters)"
+                "then its LoRA adapters)",
+                code="invalid_models",
             )
         kv_events = obj.get("kv_events")
         if kv_events is not None:
             await add_event_source(url, kv_events)
         existed = url in state.registry.workers
-        state.registry.add(url)
+        worker = state.registry.add(url)
         if names is not None:
             state.registry.set_models(url, named_models(names), fixed=True)
-        else:
-            await refresh_models(state, url)
-        return JSONResponse({"url": url, "added": not existed}, status_code=200 if existed else 201)
+        if not existed:  # no traffic until this first check (and models read) answers
+            probe(url)
+        return JSONResponse(
+            {"url": url, "added": not existed, "healthy": worker.healthy},
+            status_code=200 if existed else 201,
+        )
 
     async def add_event_source(url: str, kv_events: Any) -> None:
         """``{"url": ..., "kv_events": "tcp://host:port[;topic=T][;replay=...][;bind]"}``."""
@@ -313,19 +331,24 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
         except Exception as e:  # a socket that cannot bind/connect is the caller's setting
             raise BadRequestError(f"cannot subscribe to {kv_events!r}: {e}") from None
 
-    @app.delete("/workers/{url:path}")
+    @app.delete("/workers/{url:path}", responses=openapi.ROUTES["remove_worker"])
     async def remove_worker(request: Request, url: str) -> Response:
         check_admin(request)
         target = unquote(url).rstrip("/")
+        with contextlib.suppress(ConfigError):  # spelled differently, same worker
+            target = normalize_worker_url(target)
         if state.registry.remove(target) is None:
-            raise NotFoundError(f"no worker {target!r}")
+            raise NotFoundError(f"no worker {target[:200]!r}")
         if state.subscriber is not None and target in state.subscriber.sources:
             await asyncio.to_thread(state.subscriber.remove_source, target)
         if state.pools is not None:
-            await state.pools.drop(target)
+            try:
+                await state.pools.drop(target)
+            except Exception:  # the worker is gone either way; its pool goes with the GC
+                log.exception("closing the connections to %s failed", target)
         return JSONResponse({"url": target, "removed": True})
 
-    @app.post("/flush_cache")
+    @app.post("/flush_cache", responses=openapi.ROUTES["flush_cache"])
     async def flush_cache(request: Request) -> Response:
         check_admin(request)
         results: dict[str, int | str] = {}

@@ -386,7 +386,17 @@ async def send(origin: Origin, request: httpx.Request) -> httpx.Response:
     body = await request.aread()
     data = _head(request, body) + body
     for attempt in range(STALE_RETRIES + 1):
-        conn = await origin.acquire(timeouts)
+        try:
+            conn = await origin.acquire(timeouts)
+        except (httpx.ConnectError, httpx.ConnectTimeout):
+            if attempt == 0:
+                raise
+            # The request went out on a connection that then closed, and the worker no
+            # longer takes connections: it died with the request on it, which says as
+            # much about the request as about the worker (kvroute.service.attempts).
+            raise httpx.RemoteProtocolError(
+                "Server disconnected without sending a response, then refused a new connection."
+            ) from None
         try:
             await conn.send(data, timeouts)
         except _Stale:

@@ -203,6 +203,16 @@ class RouterMetrics:
             ["worker", "kind"],
             registry=r,
         )
+        self.quarantined = Counter(
+            "kvroute_quarantined",
+            "Requests that broke the connection to two workers (502; fingerprint quarantined)",
+            registry=r,
+        )
+        self.quarantine_refused = Counter(
+            "kvroute_quarantine_refused",
+            "Copies of a quarantined request refused at once (502)",
+            registry=r,
+        )
         self.rejected = Counter(
             "kvroute_rejected", "Requests refused by admission control", ["reason"], registry=r
         )

@@ -18,27 +18,17 @@ import asyncio
 import random
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Any
 
 import httpx
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kvroute.errors import GatewayTimeoutError, NotFoundError, UnavailableError, error_body
-from kvroute.service.proxy import (
-    PASS_HEADERS,
-    RETRYABLE,
-    Forwarder,
-    ProxyStream,
-    RawResponse,
-    answer_chunks,
-    read_answer,
-    read_body,
-)
-
-if TYPE_CHECKING:
-    pass
+from kvroute.errors import BadRequestError, NotFoundError, error_body
+from kvroute.routing.policies.base import RouteRequest
+from kvroute.service.attempts import Job, answer_chunks
+from kvroute.service.proxy import PASS_HEADERS, Forwarder, ProxyStream, RawResponse, read_body
 
 _rng = random.Random()
 
@@ -49,20 +39,26 @@ def least_loaded(loads: dict[str, int]) -> str:
     return _rng.choice([u for u, n in loads.items() if n == low])
 
 
-def model_of(body: bytes) -> str | None:
-    """The ``model`` of a JSON object body, else None (multipart, not JSON, no model)."""
+def json_object(body: bytes) -> dict[str, Any] | None:
+    """The body as a JSON object, else None (multipart, not JSON)."""
     if not body.lstrip()[:1] == b"{":
         return None
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError:
         return None
-    model = obj.get("model") if isinstance(obj, dict) else None
+    return obj if isinstance(obj, dict) else None
+
+
+def model_of(obj: dict[str, Any] | None) -> str | None:
+    """The body's ``model``, if it names one."""
+    model = obj.get("model") if obj is not None else None
     return model if isinstance(model, str) and model else None
 
 
 class PassThrough(Forwarder):
-    """Least-load forwarding with the bodies untouched (the Forwarder's retry rules)."""
+    """Least-load forwarding with the bodies untouched; the attempts' rules for
+    failures (``kvroute.service.attempts``): retries, moves, quarantine, 5xx retries."""
 
     async def forward(self, request: Request, kind: str, path: str) -> Response:
         s = self.s
@@ -75,67 +71,51 @@ class PassThrough(Forwarder):
         else:
             del headers["content-type"]
         rid = headers["x-request-id"]
-        model = model_of(body)
+        obj = json_object(body)
+        if obj is None and (content_type or "").startswith("application/json"):
+            # The APIs behind these routes all take a JSON object; other content types
+            # (multipart audio, anything else) go through unread.
+            raise BadRequestError("request body must be a JSON object")
+        model = model_of(obj)
         if not s.registry.model_routable(model):
             names = ", ".join(sorted(s.registry.known_models())) or "none"
             raise NotFoundError(
                 f"the model {model!r} does not exist; available models: {names}",
                 code="model_not_found",
             )
-        tried: set[str] = set()
-        last_error = "no healthy worker"
-        deadline = time.monotonic() + s.settings.request_timeout_secs
-        for attempt in range(s.settings.max_retries + 1):
-            loads = s.registry.loads(exclude=tried, model=model)
-            if not loads:
-                break
-            worker = least_loaded(loads)
-            res = s.registry.reserve(worker)
-            upstream: httpx.Response | None = None
-            content = b""
-            streaming = False
-            try:
-                async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
-                    upstream = await s.forward.post(worker + path, body, headers)
-                    s.registry.record_status(worker, upstream.status_code)
-                    s.metrics.ttfb_by[(kind,)].observe(time.perf_counter() - t0)
-                    ctype = upstream.headers.get("content-type", "")
-                    streaming = ctype.startswith("text/event-stream")
-                    if not streaming:
-                        content = await read_answer(upstream)
-            except TimeoutError:
-                await self._abandon(upstream, res)
-                raise GatewayTimeoutError(
-                    f"no answer within {s.settings.request_timeout_secs:g}s"
-                ) from None
-            except RETRYABLE as e:
-                await self._abandon(upstream, res)
-                last_error = self._worker_failed(worker, e, rid)
-                tried.add(worker)
-                await self._backoff(attempt)
-                continue
-            except httpx.HTTPError as e:
-                await self._abandon(upstream, res)
-                raise UnavailableError(f"could not reach a worker: {type(e).__name__}") from None
-            except BaseException:
-                await self._abandon(upstream, res)
-                raise
-            raw = [(b"x-kvroute-worker", worker.encode()), (b"x-request-id", rid.encode())]
-            raw += [(k.lower(), v) for k, v in upstream.headers.raw if k.lower() in PASS_HEADERS]
-            status = upstream.status_code
-            if streaming:
-                return ProxyStream(
-                    self._relay_raw(upstream, worker, deadline),
-                    status,
-                    raw,
-                    self._closer(upstream, res, kind, t0, status),
-                    lambda: s.draining,
-                )
-            res.release()
-            self._done(kind, status, t0)
-            raw.append((b"content-length", str(len(content)).encode()))
-            return RawResponse(content, status, raw)
-        raise UnavailableError(f"no healthy worker could take the request ({last_error})")
+        stream = obj is not None and obj.get("stream") is True
+        job = Job(
+            kind=kind,
+            path=path,
+            body=body,
+            headers=headers,
+            rid=rid,
+            route=RouteRequest(tokens=()),
+            fingerprint=None,
+            first_byte_s=self.attempts.first_byte_secs(len(body) // 4, None, stream),
+            deadline=time.monotonic() + s.settings.request_timeout_secs,
+            stream=stream,
+            t0=t0,
+            model=model,
+            pick=least_loaded,
+        )
+        answer = await self.attempts.run(job)
+        upstream, worker, res = answer.upstream, answer.decision.worker, answer.reservation
+        raw = [(b"x-kvroute-worker", worker.encode()), (b"x-request-id", rid.encode())]
+        raw += [(k.lower(), v) for k, v in upstream.headers.raw if k.lower() in PASS_HEADERS]
+        status = upstream.status_code
+        if answer.streaming:
+            return ProxyStream(
+                self._relay_raw(upstream, worker, job.deadline),
+                status,
+                raw,
+                self._closer(upstream, res, kind, t0, status),
+                lambda: s.draining,
+            )
+        res.release()
+        self._done(kind, status, t0)
+        raw.append((b"content-length", str(len(answer.content)).encode()))
+        return RawResponse(answer.content, status, raw)
 
     async def _relay_raw(
         self, upstream: httpx.Response, worker: str, deadline: float

@@ -1,14 +1,12 @@
-"""Forwarding: choose a worker, send the body unchanged, stream the answer back.
+"""Forwarding: read and check the request, run its attempts, stream the answer back.
 
-What is retried: a failure before any response byte came back from the worker
-(connection refused or reset, connect timeout, first-byte timeout, a body cut short on
-a non-streaming answer). The worker is marked down at once, its load reservation
-released, and the request goes to another healthy worker chosen by the policy among
-the rest; never to a worker that already failed it. At most ``max_retries`` retries.
+Which worker failures are retried, and how, is ``kvroute.service.attempts``; copies of a
+request that broke two workers are refused here at once (``kvroute.service.quarantine``).
 
-What is not retried: an answer the worker gave (any status, passed through unchanged
-with its body), and a stream that already sent bytes to the client: if the worker
-dies mid-stream the client receives an SSE ``error`` event and the stream ends.
+What is not retried: an answer the worker gave (except 502/503/504 and a retryable 500,
+see ``attempts``), passed through unchanged with its body, and a stream that already
+sent bytes to the client: if the worker dies mid-stream the client receives an SSE
+``error`` event and the stream ends.
 
 Every path releases the reservation exactly once: the response object owns it and
 releases it in ``finally`` whether the stream completes, fails, times out or the client
@@ -18,7 +16,6 @@ goes away (which also closes the upstream response).
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import re
@@ -35,10 +32,9 @@ from starlette.types import Receive, Scope, Send
 
 from kvroute.errors import (
     BadRequestError,
-    GatewayTimeoutError,
     NotFoundError,
     PayloadTooLargeError,
-    UnavailableError,
+    UpstreamError,
     error_body,
 )
 from kvroute.fleet.models import (
@@ -49,7 +45,9 @@ from kvroute.fleet.models import (
 )
 from kvroute.fleet.registry import Reservation
 from kvroute.routing.load import Ticket, max_tokens_of
-from kvroute.routing.policies.base import Decision, NoWorkerError, RouteRequest
+from kvroute.routing.policies.base import RouteRequest
+from kvroute.service.attempts import Attempts, Job, answer_chunks, usage
+from kvroute.service.quarantine import fingerprint, output_tokens
 from kvroute.service.routes import for_index
 
 if TYPE_CHECKING:
@@ -57,20 +55,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvroute.service.proxy")
 
-# Failures that prove the worker never processed the request's answer for us.
-RETRYABLE = (
-    httpx.ConnectError,
-    httpx.ConnectTimeout,
-    httpx.ReadTimeout,
-    httpx.WriteError,
-    httpx.WriteTimeout,
-    httpx.ReadError,
-    httpx.RemoteProtocolError,
-)
 # Worker answer headers passed on to the client (besides the router's own).
 PASS_HEADERS = frozenset((b"content-type", b"cache-control"))
 CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
-USAGE_RE = re.compile(rb'"\w+"\s*:\s*(\d+)')
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 
 
@@ -129,24 +116,6 @@ async def read_body(request: Request, limit: int) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def answer_chunks(upstream: httpx.Response) -> AsyncIterator[bytes]:
-    """The answer's chunks as they arrive: decoded by httpx when the worker set a
-    Content-Encoding, else straight off the transport's stream (the router sends no
-    Accept-Encoding; this skips httpx's decoder and chunker chain, 3x cheaper)."""
-    if "content-encoding" in upstream.headers:
-        return upstream.aiter_bytes()
-    return upstream.stream.__aiter__()  # type: ignore[union-attr]
-
-
-async def read_answer(upstream: httpx.Response) -> bytes:
-    """The whole answer (see ``answer_chunks``); the response is closed after."""
-    try:
-        parts = [chunk async for chunk in answer_chunks(upstream)]
-    finally:
-        await upstream.aclose()
-    return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
 def parse_object(body: bytes) -> dict[str, Any]:
     if not body:
         raise BadRequestError("request body is empty; expected a JSON object")
@@ -182,6 +151,7 @@ class RawResponse(Response):
 class Forwarder:
     def __init__(self, state: RouterState) -> None:
         self.s = state
+        self.attempts = Attempts(state)
 
     def _headers(self, request: Request) -> dict[str, str]:
         out = {"content-type": "application/json"}
@@ -218,114 +188,64 @@ class Forwarder:
             s.tokenizer.check(index_kind, index_obj)
             tokens = ()
         key = session_key(request, obj) if s.policy.needs_session else None
-        route_req = RouteRequest(tokens=tokens, session_key=key)
         headers = self._headers(request)
         rid = headers["x-request-id"]
-        tried: set[str] = set()
-        last_error = "no healthy worker"
-        deadline = time.monotonic() + s.settings.request_timeout_secs
-        expected_out = s.work.expected_output(max_tokens_of(obj))
-        for attempt in range(s.settings.max_retries + 1):
-            loads = s.registry.loads(exclude=tried, model=model)
-            if not loads:
-                if model is not None and not tried:
-                    last_error = f"no healthy worker serves model {model!r}"
-                break
-            try:
-                decision = s.policy.select(route_req, loads)
-            except NoWorkerError:
-                break
-            except (ValueError, TypeError) as e:
-                raise BadRequestError(str(e)) from None
-            on_release = None
-            if decision.ticket is not None:  # the policy tracks the request until it ends
-                on_release = functools.partial(s.policy.on_done, decision)
-            # The request's predicted work, released with the reservation (exactly once).
-            ticket = self._reserve_work(decision, len(tokens), expected_out)
-            res = s.registry.reserve(decision.worker, _releaser(ticket, on_release))
-            source = "precise" if decision.precise else "approximate"
-            s.metrics.decisions_by[s.policy.name, decision.reason, source].inc()
-            if s.policy.name == "cache_aware":
-                s.metrics.matched_ratio.observe(decision.matched_tokens / len(tokens))
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug(
-                    "%s %s -> %s (%s, %s, matched %d of %d tokens, attempt %d)",
-                    rid,
-                    kind,
+        # Hashed only when something is quarantined (else on a failure, in ``attempts``).
+        fp = fingerprint(tokens, body) if len(s.quarantine) else None
+        if fp is not None and s.quarantine.holds(fp):
+            s.metrics.quarantine_refused.inc()
+            raise UpstreamError(
+                f"request {rid} is a copy of a request that broke the connection to two "
+                "workers; refused for now",
+                code="request_quarantined",
+            )
+        n_prompt = len(tokens) if len(tokens) else len(body) // 4
+        job = Job(
+            kind=kind,
+            path=path,
+            body=body,
+            headers=headers,
+            rid=rid,
+            route=RouteRequest(tokens=tokens, session_key=key),
+            fingerprint=fp,
+            first_byte_s=self.attempts.first_byte_secs(n_prompt, output_tokens(obj), stream),
+            deadline=time.monotonic() + s.settings.request_timeout_secs,
+            stream=stream,
+            t0=t0,
+            model=model,
+            expected_out=s.work.expected_output(max_tokens_of(obj)),
+        )
+        answer = await self.attempts.run(job)
+        upstream, decision, res = answer.upstream, answer.decision, answer.reservation
+        source = "precise" if decision.precise else "approximate"
+        raw = [(b"x-kvroute-worker", decision.worker.encode()), (b"x-request-id", rid.encode())]
+        for name, value in upstream.headers.raw:
+            name = name.lower()
+            if name in PASS_HEADERS:
+                raw.append((name, value))
+        if answer.streaming:
+            return ProxyStream(
+                self._relay(
+                    upstream,
                     decision.worker,
-                    decision.reason,
-                    source,
+                    rid,
+                    job.deadline,
                     decision.matched_tokens,
-                    len(tokens),
-                    attempt + 1,
-                )
-            url = decision.worker + path
-            upstream: httpx.Response | None = None
-            content = b""
-            streaming = False
-            try:
-                # --request-timeout-secs bounds the whole request, the wait for the first
-                # byte included (the first-byte timeout may be the longer of the two), and
-                # reading a complete answer; a stream's relay keeps to the same deadline.
-                async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
-                    upstream = await s.forward.post(url, body, headers)
-                    s.registry.record_status(decision.worker, upstream.status_code)
-                    s.metrics.ttfb_by[(kind,)].observe(time.perf_counter() - t0)
-                    streaming = stream and upstream.status_code == 200
-                    if not streaming:  # a whole answer: not a prefill time to learn from
-                        ticket.first_byte(time.monotonic(), learn=False)
-                        content = await read_answer(upstream)
-                        _usage(ticket, content)
-            except TimeoutError:
-                await self._abandon(upstream, res)
-                what = "no answer" if upstream is None else "the worker did not finish"
-                raise GatewayTimeoutError(
-                    f"{what} within {s.settings.request_timeout_secs:g}s"
-                ) from None
-            except RETRYABLE as e:
-                await self._abandon(upstream, res)
-                last_error = self._worker_failed(decision.worker, e, rid)
-                tried.add(decision.worker)
-                await self._backoff(attempt)
-                continue
-            except httpx.HTTPError as e:
-                await self._abandon(upstream, res)
-                if upstream is not None:
-                    raise
-                # Not the worker's fault (e.g. our connection pool is exhausted): no retry
-                # storm, no worker marked down.
-                raise UnavailableError(f"could not reach a worker: {type(e).__name__}") from None
-            except BaseException:
-                await self._abandon(upstream, res)
-                raise
-            raw = [(b"x-kvroute-worker", decision.worker.encode()), (b"x-request-id", rid.encode())]
-            for name, value in upstream.headers.raw:
-                name = name.lower()
-                if name in PASS_HEADERS:
-                    raw.append((name, value))
-            if streaming:
-                return ProxyStream(
-                    self._relay(
-                        upstream,
-                        decision.worker,
-                        rid,
-                        deadline,
-                        decision.matched_tokens,
-                        source,
-                        ticket,
-                    ),
-                    upstream.status_code,
-                    raw,
-                    self._closer(upstream, res, kind, t0, upstream.status_code),
-                    lambda: s.draining,
-                )
-            res.release()  # the answer is complete and its connection released
-            self._done(kind, upstream.status_code, t0)
-            if upstream.status_code == 200:
-                self._reuse(content, decision.matched_tokens, source)
-            raw.append((b"content-length", str(len(content)).encode()))
-            return RawResponse(content, upstream.status_code, raw)
-        raise UnavailableError(f"no healthy worker could take the request ({last_error})")
+                    source,
+                    answer.ticket,
+                ),
+                upstream.status_code,
+                raw,
+                self._closer(upstream, res, kind, t0, upstream.status_code),
+                lambda: s.draining,
+            )
+        res.release()  # the answer is complete and its connection released
+        self._done(kind, upstream.status_code, t0)
+        content = answer.content
+        if upstream.status_code == 200:
+            self._reuse(content, decision.matched_tokens, source)
+        raw.append((b"content-length", str(len(content)).encode()))
+        return RawResponse(content, upstream.status_code, raw)
 
     def _model(self, kind: str, obj: dict[str, Any]) -> str | None:
         """The model the request asks for, refused with 404 when no worker serves it."""
@@ -358,23 +278,6 @@ class Forwarder:
         out.extend(tokens)
         return out
 
-    def _reserve_work(self, decision: Decision, prompt_tokens: int, expected_out: int) -> Ticket:
-        cached = decision.cached_tokens
-        if cached is None:
-            cached = decision.matched_tokens
-        return self.s.work.reserve(
-            decision.worker, prompt_tokens - cached, expected_out, time.monotonic(), cached
-        )
-
-    @staticmethod
-    async def _abandon(upstream: httpx.Response | None, res: Reservation) -> None:
-        """A failed attempt: close its answer (and connection), release its load."""
-        try:
-            if upstream is not None:
-                await upstream.aclose()
-        finally:
-            res.release()
-
     def _reuse(self, data: bytes, predicted: int, source: str) -> None:
         """Count predicted against reported prefix reuse when the answer reports it."""
         at = data.find(b'"cached_tokens"')
@@ -382,19 +285,6 @@ class Forwarder:
         if m is not None:
             self.s.metrics.predicted_by[(source,)].inc(predicted)
             self.s.metrics.reported_by[(source,)].inc(int(m.group(1)))
-
-    def _worker_failed(self, worker: str, e: BaseException, rid: str) -> str:
-        kind = type(e).__name__
-        log.warning("%s: %s failed before the first byte (%s)", rid, worker, kind)
-        self.s.metrics.worker_failures.labels(worker, kind).inc()
-        self.s.metrics.retries.labels(kind).inc()
-        self.s.registry.mark_down(worker, f"{kind} before the first byte", passive=True)
-        return f"{worker}: {kind}"
-
-    async def _backoff(self, attempt: int) -> None:
-        delay = self.s.settings.retry_backoff_secs * (2**attempt)
-        if delay > 0:
-            await asyncio.sleep(delay)
 
     def _done(self, kind: str, status: int, t0: float) -> None:
         self.s.metrics.requests_by[kind, str(status)].inc()
@@ -431,7 +321,7 @@ class Forwarder:
                         ticket.first_byte(time.monotonic())
                     if b'"cached_tokens"' in chunk:
                         self._reuse(chunk, predicted, source)
-                        _usage(ticket, chunk)
+                        usage(ticket, chunk)
                     yield chunk
         except (httpx.HTTPError, TimeoutError) as e:
             # Bytes already reached the client: no retry. Tell it in-band and end.
@@ -442,31 +332,3 @@ class Forwarder:
                 self.s.registry.mark_down(worker, f"{name} mid-stream", passive=True)
             msg = f"upstream worker failed mid-stream ({name})"
             yield b"data: " + error_body(msg, "upstream_error", "stream_interrupted") + b"\n\n"
-
-
-def _releaser(ticket: Ticket, then: Callable[[], Any] | None) -> Callable[[], None]:
-    """The reservation's release hook: the request's work ends with it, then ``then``."""
-
-    def release() -> None:
-        ticket.end(time.monotonic())
-        if then is not None:
-            then()
-
-    return release
-
-
-def _usage_field(data: bytes, name: bytes) -> int | None:
-    at = data.find(b'"' + name + b'"')
-    m = USAGE_RE.match(data, at) if at >= 0 else None
-    return int(m.group(1)) if m is not None else None
-
-
-def _usage(ticket: Ticket, data: bytes) -> None:
-    """What an answer's ``usage`` tells the work model: output tokens, and the prompt
-    tokens the engine really prefilled (when it counts prompt tokens as the router does:
-    same tokenizer)."""
-    ticket.output_tokens = _usage_field(data, b"completion_tokens")
-    prompt = _usage_field(data, b"prompt_tokens")
-    cached = _usage_field(data, b"cached_tokens")
-    if prompt is not None and cached is not None and prompt == ticket.prompt_tokens:
-        ticket.reported_uncached = max(0, prompt - cached)

@@ -25,6 +25,7 @@ from kvroute.routing.policies import Policy, create_policy
 from kvroute.routing.tokenization import PromptTokenizer
 from kvroute.service.admission import Admission
 from kvroute.service.metrics import RouterMetrics
+from kvroute.service.quarantine import Quarantine
 from kvroute.service.upstream import Forward, PerWorkerPools
 
 
@@ -37,6 +38,7 @@ class RouterState:
     tokenizer: PromptTokenizer
     metrics: RouterMetrics
     admission: Admission
+    quarantine: Quarantine
     client: httpx.AsyncClient = field(init=False)
     pools: PerWorkerPools | None = None  # the client's per-worker transport
     forward: Forward = field(init=False)  # inference requests: straight to ``pools``
@@ -57,10 +59,14 @@ class RouterState:
 
     async def use_transport(self, transport: httpx.AsyncBaseTransport) -> None:
         """Send all upstream traffic through ``transport`` (tests: a mock worker); the
-        client it replaces is closed."""
+        client it replaces is closed. The workers count as having answered a health
+        check (the start-up round went through the real client, not the mock)."""
         await self.client.aclose()
         self.client = httpx.AsyncClient(transport=transport)
         self.forward = Forward(self.client, transport)
+        for url, worker in self.registry.workers.items():
+            worker.healthy = None
+            self.registry.record_check(url, True)
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -76,7 +82,8 @@ class RouterState:
         return [
             {
                 "url": w.url,
-                "healthy": w.available(now),
+                # None until the first health check answered.
+                "healthy": None if w.healthy is None else w.available(now),
                 "in_flight": w.in_flight,
                 "cached_tokens": self.index.cached_tokens(w.url),
                 "requests_served": w.served,
@@ -84,6 +91,7 @@ class RouterState:
                 "down_reason": w.down_reason or None,
                 "draining": w.draining,
                 "circuit_open": now < w.circuit_open_until,
+                "half_open": w.half_open and now >= w.circuit_open_until,
                 "mode": self.events.mode(w.url) if self.events is not None else "approximate",
                 "capacity": self.worker_capacity(w.url),
                 "external_load": self.others.get(w.url) if self.polls_engine else None,
@@ -145,6 +153,7 @@ def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) ->
             settings.max_queued_requests,
             settings.queue_timeout_secs,
         ),
+        quarantine=Quarantine(settings.quarantine_secs),
     )
     state.work = work
     state.metrics = RouterMetrics(state.snapshot)

@@ -48,6 +48,14 @@ def _work_cells(work: dict[str, Any] | None) -> list[Any]:
     ]
 
 
+def _health(w: dict[str, Any]) -> str:
+    if w["healthy"] is None:
+        return "unknown (first health check pending)"
+    if w["healthy"]:
+        return "up (half-open: one probe request)" if w.get("half_open") else "up"
+    return f"down: {w['down_reason'] or 'circuit open'}"
+
+
 def render(
     *,
     policy: str,
@@ -62,7 +70,7 @@ def render(
     worker_rows = [
         [
             w["url"],
-            "up" if w["healthy"] else f"down: {w['down_reason'] or 'circuit open'}",
+            _health(w),
             w["mode"],
             w["in_flight"],
             w["capacity"] if w["capacity"] is not None else "-",

@@ -69,6 +69,9 @@ class Decision:
     # Prompt tokens the chosen worker is predicted to hold (None: the policy did not look;
     # the caller then takes ``matched_tokens``). The work model reserves the rest.
     cached_tokens: int | None = None
+    # Tokens of the prompt the worker held before this decision recorded it (the index
+    # insert), or None when nothing was recorded: what ``on_rejected`` rolls back to.
+    held_before: int | None = None
 
 
 class Policy(ABC):
@@ -88,6 +91,10 @@ class Policy(ABC):
     def on_done(self, decision: Decision) -> None:  # noqa: B027 - optional hook
         """Called once when the request ``decision`` routed has ended, however it ended
         (the caller releases its load reservation at the same moment)."""
+
+    def on_rejected(self, decision: Decision, tokens: Sequence[int]) -> None:  # noqa: B027
+        """Called when the worker did not take the request (an error answer, or the
+        attempt failed before any output): undo what ``select`` recorded about it."""
 
     def on_worker_added(self, worker: str) -> None:  # noqa: B027 - optional hook
         """Called when a worker joins the fleet."""

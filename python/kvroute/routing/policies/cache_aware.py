@@ -210,7 +210,7 @@ class CacheAware(Policy):
     def _record(self, decision: Decision, tokens: Sequence[int]) -> Decision:
         """The chosen worker now holds ``tokens`` (predicted; pending in precise mode)."""
         if len(tokens):
-            self.index.insert(decision.worker, tokens)
+            decision.held_before = self.index.insert(decision.worker, tokens)
             if self.precise is not None:
                 self._tickets += 1
                 decision.ticket = f"{decision.worker}\0{self._tickets}"
@@ -220,6 +220,11 @@ class CacheAware(Policy):
     def on_done(self, decision: Decision) -> None:
         if decision.ticket is not None:
             self._pending.remove_worker(decision.ticket)
+
+    def on_rejected(self, decision: Decision, tokens: Sequence[int]) -> None:
+        """The worker refused the prompt: it does not hold what was inserted for it."""
+        if decision.held_before is not None:
+            self.index.rollback(decision.worker, tokens, decision.held_before)
 
     def _full(self, worker: str, loads: Mapping[str, int]) -> bool:
         cap = self.worker_capacity
