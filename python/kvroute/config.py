@@ -96,6 +96,10 @@ class Settings:
     log_level: str = "info"
     tokenizer_cache_size: int = 8192
     kv_events: list[str] = field(default_factory=list)
+    # --record: the routed traffic as a rotated Mooncake-format trace (service.recorder).
+    record: str | None = None
+    record_max_bytes: int = 100 * 2**20
+    record_max_files: int = 5
 
     def validate(self) -> Settings:
         self.worker_urls = [normalize_worker_url(u) for u in self.worker_urls]
@@ -150,6 +154,12 @@ class Settings:
             raise ConfigError("--bounded-load-factor must be >= 1.0")
         if self.log_level.lower() not in ("debug", "info", "warning", "warn", "error", "critical"):
             raise ConfigError(f"unknown --log-level {self.log_level!r}")
+        if self.record is not None:
+            if self.record_max_bytes < 4096 or self.record_max_files < 1:
+                raise ConfigError("--record-max-bytes must be >= 4096, --record-max-files >= 1")
+            folder = os.path.dirname(os.path.abspath(self.record))
+            if not os.path.isdir(folder):
+                raise ConfigError(f"--record {self.record!r}: no such directory {folder!r}")
         return self
 
     @property

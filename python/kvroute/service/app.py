@@ -85,6 +85,8 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             await state.client.aclose()
+            if state.recorder is not None:
+                await asyncio.to_thread(state.recorder.close)
 
     app = RouterApp(
         title="kvroute", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None

@@ -225,6 +225,8 @@ class Forwarder:
             res = s.registry.reserve(decision.worker, on_release)
             source = "precise" if decision.precise else "approximate"
             s.metrics.decisions_by[s.policy.name, decision.reason, source].inc()
+            if s.recorder is not None and attempt == 0:
+                s.recorder.record(kind, obj, tokens)  # queued, never waits (--record)
             if s.policy.name == "cache_aware":
                 s.metrics.matched_ratio.observe(decision.matched_tokens / len(tokens))
             if log.isEnabledFor(logging.DEBUG):

@@ -49,6 +49,7 @@ class RouterState:
     # Set by ``kvroute serve`` on SIGTERM: the server stops accepting and, once the grace
     # period runs out, cancels what is still in flight.
     draining: bool = False
+    recorder: Any = None  # kvroute.service.recorder.TraceRecorder with --record
 
     async def use_transport(self, transport: httpx.AsyncBaseTransport) -> None:
         """Send all upstream traffic through ``transport`` (tests: a mock worker); the
@@ -140,6 +141,8 @@ def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) ->
         _chain_on_down(state, forget)
     if settings.kv_events:
         setup_precise(state)
+    if settings.record:
+        setup_recording(state)
     for url in settings.worker_urls:
         registry.add(url)
     return state
@@ -163,6 +166,18 @@ def setup_capacity_learning(state: RouterState) -> None:
     state.capacity = learner
     state.policy.capacities = learner.capacities  # type: ignore[attr-defined]
     _chain_on_down(state, learner.forget)
+
+
+def setup_recording(state: RouterState) -> None:
+    """--record: routed requests go to a background trace writer (started now)."""
+    from kvroute.service.recorder import RecorderCollector, TraceRecorder
+
+    s = state.settings
+    assert s.record is not None
+    state.recorder = TraceRecorder(
+        s.record, s.tokenizer, max_bytes=s.record_max_bytes, max_files=s.record_max_files
+    )
+    state.metrics.registry.register(RecorderCollector(state.recorder))
 
 
 def setup_precise(state: RouterState) -> None:
