@@ -51,6 +51,7 @@ def _scrape(state: RouterState) -> set[str]:
     m.ttfb_by[("chat",)].observe(0.1)
     m.predicted_by[("approximate",)].inc(1)
     m.reported_by[("approximate",)].inc(1)
+    m.reported_prompt_by[("approximate",)].inc(2)
     m.matched_ratio.observe(0.5)
     m.retries.labels("ConnectError").inc()
     m.worker_failures.labels(WORKER, "ConnectError").inc()

@@ -38,7 +38,7 @@ from kvroute.routing.tokenization import PromptTokenizer
 from kvroute.service.fastpath import INFERENCE_PATHS, RouterApp
 from kvroute.service.proxy import Forwarder, ProxyStream, parse_object, read_body
 from kvroute.service.state import build_state
-from kvroute.service.status import counter_totals
+from kvroute.service.status import History, counter_totals
 from kvroute.service.status import render as render_status
 from kvroute.service.upstream import Forward, create_client
 
@@ -63,6 +63,7 @@ def _key_ok(given: str, expected: str) -> bool:
 
 def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> FastAPI:
     state = build_state(settings, tokenizer)
+    history = History(state.metrics)  # /status charts
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -74,6 +75,7 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
         )
         state.forward = Forward(state.client, state.pools)
         task = asyncio.create_task(health_loop(state))
+        sampler = asyncio.create_task(history.run())
         if state.subscriber is not None:
             await asyncio.to_thread(state.subscriber.start)
         try:
@@ -82,8 +84,11 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
             if state.subscriber is not None:
                 await asyncio.to_thread(state.subscriber.stop)
             task.cancel()
+            sampler.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampler
             await state.client.aclose()
             if state.recorder is not None:
                 await asyncio.to_thread(state.recorder.close)
@@ -246,6 +251,7 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
             decisions=counter_totals(m.decisions, "reason"),
             predicted=sum(counter_totals(m.predicted_cached, "source").values()),
             reported=sum(counter_totals(m.reported_cached, "source").values()),
+            history=history,
         )
         return HTMLResponse(page)
 

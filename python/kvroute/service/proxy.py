@@ -60,6 +60,7 @@ RETRYABLE = (
 # Worker answer headers passed on to the client (besides the router's own).
 PASS_HEADERS = frozenset((b"content-type", b"cache-control"))
 CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+PROMPT_RE = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 
 
@@ -317,6 +318,9 @@ class Forwarder:
         if m is not None:
             self.s.metrics.predicted_by[(source,)].inc(predicted)
             self.s.metrics.reported_by[(source,)].inc(int(m.group(1)))
+            p = PROMPT_RE.search(data)
+            if p is not None:  # the workers' hit rate on /status
+                self.s.metrics.reported_prompt_by[(source,)].inc(int(p.group(1)))
 
     def _worker_failed(self, worker: str, e: BaseException, rid: str) -> str:
         kind = type(e).__name__
