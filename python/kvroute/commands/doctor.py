@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -46,8 +48,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--events-wait",
         type=float,
-        default=3.0,
-        help="seconds to wait for KV events after the probes (default %(default)s)",
+        default=5.0,
+        help="with --kv-events: how long to wait for a worker's first events after the "
+        "probes, sending it a fresh prompt every half second (default %(default)s)",
     )
     p.add_argument("--json", action="store_true", help="machine-readable report")
 
@@ -66,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         reports = asyncio.run(_probe_all(urls, tokenizer, args.tokenizer is not None, args))
         if subscriber is not None:
-            _check_events(reports, tracker, args.events_wait)
+            _check_events(reports, tracker, args.events_wait, args.timeout)
     finally:
         if subscriber is not None:
             subscriber.stop()
@@ -112,17 +115,30 @@ async def _probe_all(urls: list[str], tokenizer: Any, given: bool, args: Any) ->
         )
 
 
-def _check_events(reports: list[Any], tracker: Any, wait_s: float) -> None:
-    """Each worker with a --kv-events source must have sent events during the probes."""
+def _check_events(reports: list[Any], tracker: Any, wait_s: float, timeout_s: float) -> None:
+    """Each worker with a --kv-events source must have sent events during the probes.
+
+    A worker that has sent none yet gets a fresh prompt every half second until the wait
+    ends: an engine's PUB socket drops what it publishes before its connection to us is
+    up, so the first probes may have gone out before it was."""
+    import httpx
+
     from kvroute.fleet.probe import VLLM_EVENTS
 
     deadline = time.monotonic() + wait_s
-    watched = set(tracker.snapshot())
-    while time.monotonic() < deadline:
-        snap = tracker.snapshot()
-        if all(int(snap[w]["events_received"]) > 0 for w in watched):
-            break
-        time.sleep(0.1)
+    watched = {r.url: r.model for r in reports if r.url in tracker.snapshot()}
+    with httpx.Client(timeout=timeout_s) as client:
+        while time.monotonic() < deadline:
+            snap = tracker.snapshot()
+            silent = [w for w in watched if int(snap[w]["events_received"]) == 0]
+            if not silent:
+                break
+            for url in silent:
+                prompt = f"doctor events {os.urandom(6).hex()} " + "x " * 512
+                body = {"model": watched[url], "prompt": prompt, "max_tokens": 1}
+                with contextlib.suppress(httpx.HTTPError):
+                    client.post(url + "/v1/completions", json=body)
+            time.sleep(0.5)
     snap = tracker.snapshot()
     for rep in reports:
         if rep.url not in snap:
