@@ -171,3 +171,13 @@ def test_clock_skew_from_the_date_header() -> None:
     assert clock_skew("Mon, 01 Jan 2024 00:00:10 GMT", 1704067200.0) == pytest.approx(10.0)
     assert clock_skew(None, 0.0) is None
     assert clock_skew("not a date", 0.0) is None
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["ftp://worker:8000"], ["http://127.0.0.1:9", "--tokenizer", "/no/such/dir"]],
+)
+def test_bad_arguments_exit_2_with_a_message(args: list[str]) -> None:
+    done = subprocess.run(kvroute_argv("doctor", *args), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith("kvroute doctor: error:")

@@ -116,3 +116,13 @@ def test_analyze_takes_request_bodies_with_a_tokenizer(tmp_path: Path) -> None:
     # The tokenizer is the model's, not bytes: a chat prompt is far fewer tokens than bytes.
     n_bytes = len(json.dumps(body(0, 0)["messages"]).encode())
     assert worth["prompt_tokens"] < 24 * n_bytes / 2
+
+
+def test_analyze_rejects_a_bad_body_with_a_message(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"messages": "not a list"}\n')
+    done = subprocess.run(
+        kvroute_argv("analyze", str(bad)), capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2
+    assert "line 2" in done.stderr and "messages" in done.stderr

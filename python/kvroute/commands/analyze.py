@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from typing import Any
 
@@ -56,6 +57,8 @@ def load(
     if all("hash_ids" in r for r in rows):
         return wl.from_trace_rows(rows, seed=seed, time_scale=time_scale)
     if rows and all(isinstance(r, dict) and ("messages" in r or "prompt" in r) for r in rows):
+        if tokenizer is not None and not os.path.isdir(tokenizer):
+            raise ValueError(f"--tokenizer {tokenizer!r}: no such directory")
         rows = asyncio.run(_tokenize_bodies(rows, tokenizer))
     out = []
     for i, r in enumerate(rows):

@@ -61,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         urls = [normalize_worker_url(u) for u in args.urls]
+        if args.tokenizer is not None and not os.path.isdir(args.tokenizer):
+            raise ConfigError(f"--tokenizer {args.tokenizer!r}: no such directory")
         tokenizer = PromptTokenizer(args.tokenizer)
         subscriber, tracker = _listen(args.kv_events, urls)
     except (ConfigError, OSError, ValueError) as e:
