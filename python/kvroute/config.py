@@ -159,6 +159,10 @@ class Settings:
     # models set by the operator (``URL=MODEL[,MODEL...]``) instead of read from them.
     default_model: str | None = None
     worker_models: list[str] = field(default_factory=list)
+    # --record: the routed traffic as a rotated Mooncake-format trace (service.recorder).
+    record: str | None = None
+    record_max_bytes: int = 100 * 2**20
+    record_max_files: int = 5
 
     def validate(self) -> Settings:
         self.worker_urls = [normalize_worker_url(u) for u in self.worker_urls]
@@ -236,6 +240,12 @@ class Settings:
             raise ConfigError(f"unknown --log-level {self.log_level!r}")
         if self.log_format not in ("text", "json"):
             raise ConfigError(f"--log-format must be 'text' or 'json', got {self.log_format!r}")
+        if self.record is not None:
+            if self.record_max_bytes < 4096 or self.record_max_files < 1:
+                raise ConfigError("--record-max-bytes must be >= 4096, --record-max-files >= 1")
+            folder = os.path.dirname(os.path.abspath(self.record))
+            if not os.path.isdir(folder):
+                raise ConfigError(f"--record {self.record!r}: no such directory {folder!r}")
         return self
 
     def _validate_discovery(self) -> None:

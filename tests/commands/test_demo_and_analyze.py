@@ -72,7 +72,7 @@ def test_analyze_says_worth_it_for_shared_prefixes(
     trace = tmp_path / "shared.jsonl"
     write_trace(trace, prompts)
     doc = run_analyze(trace, capsys, "--workers", "8", "--capacity-tokens", "10240")
-    assert str(doc["verdict"]).startswith("worth it: cache_aware reuses")
+    assert str(doc["verdict"]).startswith("worth it, because cache_aware serves")
     rows = {r["name"]: r for r in doc["rows"]}  # type: ignore[attr-defined]
     assert rows["cache_aware"]["hit_rate"] >= rows["round_robin"]["hit_rate"] + 0.10
 
@@ -85,7 +85,7 @@ def test_analyze_says_not_worth_it_without_sharing(
     trace = tmp_path / "unique.jsonl"
     write_trace(trace, prompts)
     doc = run_analyze(trace, capsys, "--workers", "8")
-    assert str(doc["verdict"]).startswith("not worth it: almost no prefix is shared")
+    assert str(doc["verdict"]).startswith("not worth it, because almost no prompt prefix repeats")
     assert doc["upper_bound"] == 0.0
 
 
@@ -102,4 +102,4 @@ def test_analyze_says_not_worth_it_when_round_robin_already_reuses(
     trace = tmp_path / "one.jsonl"
     write_trace(trace, prompts)
     doc = run_analyze(trace, capsys, "--workers", "2")
-    assert str(doc["verdict"]).startswith("not worth it: round_robin already gets")
+    assert str(doc["verdict"]).startswith("not worth it, because round_robin already serves")

@@ -7,5 +7,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("simulate", "simulate a fleet in virtual time and compare routing policies"),
     "demo": ("demo", "start 4 simulated workers and show cache_aware against round_robin"),
     "analyze": ("analyze", "measure prefix sharing in a trace: is cache-aware routing worth it?"),
+    "doctor": ("doctor", "check a fleet before routing: engines, prefix caching, tokenizer"),
     "bench-index": ("bench_index", "benchmark the native prefix index"),
 }

@@ -309,6 +309,29 @@ def configure(p: argparse.ArgumentParser) -> None:
         default=30.0,
         help="on SIGTERM, time given to in-flight requests to finish",
     )
+    rec = p.add_argument_group("recording (kvroute analyze / simulate --trace replay it)")
+    rec.add_argument(
+        "--record",
+        default=None,
+        metavar="FILE",
+        help="write the routed traffic to FILE as a Mooncake-format trace: per request "
+        "the time, prompt and output lengths and chained hashes of its 512-token "
+        "blocks (never text or token IDs); written by a background thread, never "
+        "delaying a request (dropped and counted in kvroute_record_dropped_total when "
+        "it falls behind)",
+    )
+    rec.add_argument(
+        "--record-max-bytes",
+        type=int,
+        default=100 * 2**20,
+        help="rotate FILE past this size: FILE becomes FILE.1, FILE.1 FILE.2, ...",
+    )
+    rec.add_argument(
+        "--record-max-files",
+        type=int,
+        default=5,
+        help="files kept in all, FILE included (the oldest is deleted)",
+    )
     s = p.add_argument_group("security and logs")
     s.add_argument("--api-key", default=None, help="clients must send 'Authorization: Bearer KEY'")
     s.add_argument(

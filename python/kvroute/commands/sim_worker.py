@@ -91,6 +91,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     add_output_blocks_flag(p)
     p.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="no prefix caching (as vLLM's --no-enable-prefix-caching or SGLang's "
+        "--disable-radix-cache): every prompt is computed in full; for testing "
+        "`kvroute doctor` on a worker configured wrong",
+    )
+    p.add_argument(
         "--kv-events-endpoint",
         default=None,
         help="publish vLLM KV events on this ZMQ endpoint (tcp://*:5557 binds, "
@@ -145,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
             kv_events_replay_endpoint=args.kv_events_replay_endpoint,
             stream_interval=args.stream_interval,
             output_blocks=args.output_blocks,
+            prefix_caching=not args.no_prefix_cache,
         ).validate()
     except ValueError as e:
         print(f"kvroute sim-worker: {e}", file=sys.stderr)

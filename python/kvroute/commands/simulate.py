@@ -79,8 +79,15 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
 def configure(p: argparse.ArgumentParser) -> None:
     from kvroute.sim.workloads import WORKLOADS
 
-    p.add_argument("--workload", choices=WORKLOADS, default="gsp")
-    p.add_argument("--trace", default=None, help="Mooncake-format JSONL (--workload mooncake)")
+    p.add_argument(
+        "--workload", choices=WORKLOADS, default=None, help="default: gsp, mooncake with --trace"
+    )
+    p.add_argument(
+        "--trace",
+        default=None,
+        help="Mooncake-format JSONL, e.g. from kvroute serve --record (implies --workload "
+        "mooncake)",
+    )
     p.add_argument(
         "--policies",
         default="cache_aware,round_robin",
@@ -158,6 +165,8 @@ def configure(p: argparse.ArgumentParser) -> None:
 def build_workload(args: argparse.Namespace) -> list[Any]:
     from kvroute.sim import workloads as wl
 
+    if args.workload is None:
+        args.workload = "mooncake" if args.trace else "gsp"
     kw: dict[str, Any] = {"seed": args.seed}
     if args.arrivals is not None:
         kw["arrivals"] = args.arrivals

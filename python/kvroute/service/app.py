@@ -44,7 +44,7 @@ from kvroute.service.passthrough import PassThrough
 from kvroute.service.proxy import Forwarder, ProxyStream, parse_object, read_body
 from kvroute.service.routes import PASSTHROUGH_KINDS, ROUTES
 from kvroute.service.state import build_state
-from kvroute.service.status import counter_totals
+from kvroute.service.status import History, counter_totals
 from kvroute.service.status import render as render_status
 from kvroute.service.upstream import Forward, create_client
 
@@ -62,6 +62,7 @@ def _key_ok(given: str, expected: str) -> bool:
 
 def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> FastAPI:
     state = build_state(settings, tokenizer)
+    history = History(state.metrics)  # /status charts
 
     probes: set[asyncio.Task[None]] = set()
 
@@ -88,6 +89,7 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
         discovery = start_discovery(
             s, state.registry, state.pools.drop if state.pools else None, probe
         )
+        sampler = asyncio.create_task(history.run())
         if state.subscriber is not None:
             await asyncio.to_thread(state.subscriber.start)
         try:
@@ -95,12 +97,14 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
         finally:
             if state.subscriber is not None:
                 await asyncio.to_thread(state.subscriber.stop)
-            for t in (task, discovery):
+            for t in (task, discovery, sampler):
                 if t is not None:
                     t.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await t
             await state.client.aclose()
+            if state.recorder is not None:
+                await asyncio.to_thread(state.recorder.close)
 
     app = RouterApp(
         title="kvroute", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
@@ -266,6 +270,7 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
             decisions=counter_totals(m.decisions, "reason"),
             predicted=sum(counter_totals(m.predicted_cached, "source").values()),
             reported=sum(counter_totals(m.reported_cached, "source").values()),
+            history=history,
         )
         return HTMLResponse(page)
 

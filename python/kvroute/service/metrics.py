@@ -188,6 +188,13 @@ class RouterMetrics:
             ["source"],
             registry=r,
         )
+        self.reported_prompt = Counter(
+            "kvroute_reported_prompt_tokens",
+            "Prompt tokens of the answers that reported cached_tokens (the denominator "
+            "of the workers' hit rate)",
+            ["source"],
+            registry=r,
+        )
         self.matched_ratio = Histogram(
             "kvroute_matched_token_ratio",
             "Matched prefix tokens / request tokens at routing",
@@ -245,6 +252,7 @@ class RouterMetrics:
         self.decisions_by = Children(self.decisions)
         self.predicted_by = Children(self.predicted_cached)
         self.reported_by = Children(self.reported_cached)
+        self.reported_prompt_by = Children(self.reported_prompt)
         self.model_requests_by = Children(self.model_requests)
 
     def observe_prediction(self, worker: str, predicted: float, observed: float) -> None:

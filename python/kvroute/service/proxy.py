@@ -58,6 +58,7 @@ log = logging.getLogger("kvroute.service.proxy")
 # Worker answer headers passed on to the client (besides the router's own).
 PASS_HEADERS = frozenset((b"content-type", b"cache-control"))
 CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+PROMPT_RE = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 
 
@@ -215,6 +216,8 @@ class Forwarder:
             model=model,
             expected_out=s.work.expected_output(max_tokens_of(obj)),
         )
+        if s.recorder is not None:
+            s.recorder.record(kind, obj, tokens)  # queued, never waits (--record)
         answer = await self.attempts.run(job)
         upstream, decision, res = answer.upstream, answer.decision, answer.reservation
         source = "precise" if decision.precise else "approximate"
@@ -285,6 +288,9 @@ class Forwarder:
         if m is not None:
             self.s.metrics.predicted_by[(source,)].inc(predicted)
             self.s.metrics.reported_by[(source,)].inc(int(m.group(1)))
+            p = PROMPT_RE.search(data)
+            if p is not None:  # the workers' hit rate on /status
+                self.s.metrics.reported_prompt_by[(source,)].inc(int(p.group(1)))
 
     def _done(self, kind: str, status: int, t0: float) -> None:
         self.s.metrics.requests_by[kind, str(status)].inc()

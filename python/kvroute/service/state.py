@@ -56,6 +56,7 @@ class RouterState:
     # Set by ``kvroute serve`` on SIGTERM: the server stops accepting and, once the grace
     # period runs out, cancels what is still in flight.
     draining: bool = False
+    recorder: Any = None  # kvroute.service.recorder.TraceRecorder with --record
 
     async def use_transport(self, transport: httpx.AsyncBaseTransport) -> None:
         """Send all upstream traffic through ``transport`` (tests: a mock worker); the
@@ -176,6 +177,8 @@ def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) ->
     _chain_on_down(state, work.remove_worker)
     if settings.kv_events:
         setup_precise(state)
+    if settings.record:
+        setup_recording(state)
     for url in settings.worker_urls:
         registry.add(url)
     return state
@@ -201,6 +204,18 @@ def setup_capacity_learning(state: RouterState) -> None:
         state.policy.capacities = learner.capacities
     state.work.capacities = learner.capacities
     _chain_on_down(state, learner.forget)
+
+
+def setup_recording(state: RouterState) -> None:
+    """--record: routed requests go to a background trace writer (started now)."""
+    from kvroute.service.recorder import RecorderCollector, TraceRecorder
+
+    s = state.settings
+    assert s.record is not None
+    state.recorder = TraceRecorder(
+        s.record, s.tokenizer, max_bytes=s.record_max_bytes, max_files=s.record_max_files
+    )
+    state.metrics.registry.register(RecorderCollector(state.recorder))
 
 
 def setup_precise(state: RouterState) -> None:

@@ -73,6 +73,10 @@ class SimConfig:
     output_blocks: bool = True  # generated tokens take cache blocks (vLLM does)
     # LoRA adapters served besides ``model`` (listed by /v1/models with ``parent``).
     lora_adapters: tuple[str, ...] = ()
+    # Off: no prompt reuses another's blocks, no prefix-cache counters or KV events (as
+    # vLLM with --no-enable-prefix-caching): lets `kvroute doctor` be tested on a fleet
+    # configured wrong.
+    prefix_caching: bool = True
 
     def validate(self) -> SimConfig:
         if self.time_scale <= 0:
@@ -201,11 +205,12 @@ class SimEngine:
             run.batch = self.running
             t_admit = time.perf_counter()
             run.queue_s = (t_admit - t0) * scale
-            self._lora = run.lora
-            run.cached_tokens, handle = cache.admit(
-                tokens, run.output_len if self.config.output_blocks else 1, run.namespace
-            )
-            self._lora = None
+            if self.config.prefix_caching:
+                self._lora = run.lora
+                run.cached_tokens, handle = cache.admit(
+                    tokens, run.output_len if self.config.output_blocks else 1, run.namespace
+                )
+                self._lora = None
             self._flush_events()
             self.prompt_tokens += run.prompt_tokens
             async with self._prefill:
@@ -225,7 +230,7 @@ class SimEngine:
             while run.output_tokens < total:
                 # Wake for the next chunk to send or the next block to cache, if sooner.
                 target = min(total, sent + step)
-                fill = cache.next_fill(handle)
+                fill = cache.next_fill(handle) if handle is not None else None
                 if fill is not None:
                     target = min(target, max(fill - n + 1, run.output_tokens + 1))
                 now = time.perf_counter()
@@ -237,9 +242,10 @@ class SimEngine:
                 out = total if interval <= 0 else min(total, 1 + int(elapsed / interval + 1e-9))
                 run.output_tokens = max(out, run.output_tokens + 1)
                 # The KV of every output token but the newest is computed by now.
-                self._lora = run.lora
-                cache.grow(handle, n + run.output_tokens - 1)
-                self._lora = None
+                if handle is not None:
+                    self._lora = run.lora
+                    cache.grow(handle, n + run.output_tokens - 1)
+                    self._lora = None
                 self._flush_events()
                 if run.output_tokens >= min(total, sent + step):
                     sent = run.output_tokens
@@ -327,6 +333,7 @@ class SimEngine:
                 "Deprecated name of kv_cache_usage_perc.",
                 c.usage(),
             ),
+            ("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig.", 1),
             ("vllm:prefix_cache_queries", "counter", "Prefix cache queries, in tokens.", c.queries),
             ("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in tokens.", c.hits),
             ("vllm:prompt_tokens", "counter", "Prefill tokens processed.", self.prompt_tokens),
@@ -338,12 +345,18 @@ class SimEngine:
             ),
             ("vllm:request_success", "counter", "Successfully processed requests.", self.served),
         ]
+        # vLLM exports its cache settings as the labels of a constant gauge.
+        info = (
+            f'{{block_size="{c.block_size}",'
+            f'enable_prefix_caching="{self.config.prefix_caching}",'
+            f'num_gpu_blocks="{c.capacity_tokens // c.block_size}"}}'
+        )
         lines = []
         for name, kind, doc, value in rows:
             sample = f"{name}_total" if kind == "counter" else name
             lines += [
                 f"# HELP {name} {doc}",
                 f"# TYPE {name} {kind}",
-                f"{sample}{labels} {float(value)}",
+                f"{sample}{info if name == 'vllm:cache_config_info' else labels} {float(value)}",
             ]
         return "\n".join(lines) + "\n"

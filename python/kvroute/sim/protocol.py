@@ -70,6 +70,20 @@ def server_info(c: SimConfig) -> dict[str, Any]:
         "decode_s_per_token": c.cost.decode_s_per_token,
         "text_codec": c.text_codec,
         "version": "kvroute-sim",
+        # SGLang's ServerArgs names for what `kvroute doctor` checks.
+        "disable_radix_cache": not c.prefix_caching,
+        "kv_events_config": (
+            orjson.dumps(
+                {
+                    "publisher": "zmq",
+                    "endpoint": c.kv_events_endpoint,
+                    "topic": c.kv_events_topic,
+                }
+            ).decode()
+            if c.kv_events_endpoint
+            else None
+        ),
+        "enable_metrics": True,
     }
 
 

@@ -9,7 +9,8 @@ when a tokenizer is given, the UTF-8 bytes of the rendered text otherwise (or on
 per character with ``--text-codec codepoints``, see ``sim.textcodec``); token-ID prompts
 and ``input_ids`` as given.
 
-Introspection: ``/health``, ``/get_model_info``, ``/get_server_info``, ``/v1/models``,
+Introspection: ``/health``, ``/version`` (vLLM's; says ``kvroute-sim``),
+``/get_model_info``, ``/get_server_info``, ``/v1/models``,
 ``/get_load``, ``/metrics`` (vLLM names), ``/tokenize``, ``/v1/completions/render`` and
 ``/v1/chat/completions/render`` (vLLM's shapes: the vLLM router calls them), ``/flush_cache``
 and ``/reset_prefix_cache`` (both empty the cache). For benchmarks and tests:
@@ -77,6 +78,10 @@ def create_app(config: SimConfig) -> FastAPI:
     @app.get("/health_generate")
     async def health() -> Response:
         return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return P.json_response({"version": "kvroute-sim"})
 
     @app.get("/get_model_info")
     @app.get("/model_info")
