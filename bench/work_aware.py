@@ -22,7 +22,9 @@ generated-shared-prefix defaults, 8 workers), ``llmd_zipf`` (llm-d's long shared
 shape, group popularity Zipf s=1.1), ``chat`` (multi-turn chat, log-normal lengths:
 ``multiturn(sigma=1.8)``, prompt p99 ~17x median, up to ~90k tokens), ``hetero``
 (gsp8 on a fleet whose last 2 of 8 workers prefill at half speed), ``gsp64`` (gsp with
-512 groups on 64 workers), ``mooncake_200k`` (the trace at the default 200k tokens per
+512 groups on 64 workers), ``gsp8_prefill`` and ``hetero_prefill`` (the routing-quality
+study's prefill-bound GSP shape: 3,000 prefill tokens/s, 32 output tokens; the second with
+2 of 8 workers at half speed), ``mooncake_200k`` (the trace at the default 200k tokens per
 worker: heavy cache pressure, where the approximate index believes in evicted prefixes).
 
     python bench/work_aware.py --out bench/results/work_aware.json
@@ -65,6 +67,7 @@ class Scenario:
 
 def scenarios(trace: str | None) -> list[Scenario]:
     cost = CostModel()
+    slow_cost = CostModel(prefill_tokens_per_s=3000.0)
     base = {"learn_capacity": True, "policy_settings": {"seed": 0}}
     out = []
     if trace:
@@ -94,6 +97,19 @@ def scenarios(trace: str | None) -> list[Scenario]:
             FleetConfig(workers=8, worker_costs=heterogeneous(cost, 8, 2, 0.5), **base),  # type: ignore[arg-type]
         ),
         Scenario("gsp64", lambda: wl.gsp(512, 16, 2048, 128, 256), FleetConfig(workers=64, **base)),  # type: ignore[arg-type]
+        # Prefill-bound: the routing-quality study's GSP shape (3,000 prefill tokens/s,
+        # 32 output tokens), where routing decides the capacity; and 2 of its 8 workers
+        # at half that speed.
+        Scenario(
+            "gsp8_prefill",
+            lambda: wl.gsp(64, 16, 2048, 128, 32),
+            FleetConfig(workers=8, cost=slow_cost, **base),  # type: ignore[arg-type]
+        ),
+        Scenario(
+            "hetero_prefill",
+            lambda: wl.gsp(64, 16, 2048, 128, 32),
+            FleetConfig(workers=8, worker_costs=heterogeneous(slow_cost, 8, 2, 0.5), **base),  # type: ignore[arg-type]
+        ),
     ]
     if trace:
         # The default 200k tokens per worker: the index believes in evicted prefixes.
