@@ -39,7 +39,7 @@ Learned speed, per worker (so a heterogeneous fleet is told apart)
     * decode seconds per token: at each end with a known output length,
       ``(end - first byte) / (output tokens - 1)``, the median of the last ``WINDOW``.
     Before ``MIN_SAMPLES`` samples the priors hold: ``PRIOR_PREFILL_TPS`` (the
-    simulator's default worker, an 8B model on one H100), no overhead, ``PRIOR_DECODE_S``.
+    simulator's default worker, an 8B model on one H100), ``PRIOR_OVERHEAD_S``, ``PRIOR_DECODE_S``.
     Medians shrug off the outliers a shared machine or a stall produce. A worker that
     leaves (or goes down) forgets what was learned (it may come back as other hardware).
 
@@ -69,15 +69,16 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
 
 PRIOR_PREFILL_TPS = 15_000.0
+PRIOR_OVERHEAD_S = 0.005
 PRIOR_DECODE_S = 0.020
 PRIOR_OUTPUT_TOKENS = 256.0
-WINDOW = 64
+WINDOW = 16
 MIN_SAMPLES = 3
 KV_FULL = 0.95
 OUTPUT_EWMA = 0.05  # weight of one observed output length in the running mean
@@ -85,17 +86,18 @@ TRUST_EWMA = 0.05  # weight of one reported cache hit in the index's trust
 
 
 class ResistantLine:
-    """``y = intercept + slope * x`` fitted robustly to the last ``window`` samples: sorted
-    by ``x``, sample ``i`` is paired with sample ``i + n/2`` (a Theil-Sen estimator on
-    n/2 pairs); the slope is the median of the pairs' slopes, the intercept the median
-    residual. A few wild samples (a stall, a slot wait) move neither. Pairs whose ``x``
-    are less than 1.5x apart are skipped; while fewer than ``min_samples`` pairs remain
-    (the ``x`` seen are too alike to tell slope from intercept) the slope is kept (prior
-    or last fit) and only the intercept is fitted, unless it would go negative by more
-    than rounding (then a line through the origin). Before ``min_samples`` samples: the
-    priors. Refitted at each sample, O(window log window)."""
+    """``y = intercept + slope * x`` fitted robustly to the last ``window`` samples of each
+    size class (``x`` within a factor of 2; bounded: at most ~32 classes). Each class is
+    summed up by its medians; the slope is the median of the slopes between every two
+    classes (a Theil-Sen estimator on class medians), the intercept the median residual
+    of all samples. A few wild samples (a stall, a slot wait) move neither. Classes less
+    than 1.5x apart are not paired; with no pair (the sizes seen are too alike to tell
+    slope from intercept) the prior line is scaled
+    as a whole to the samples (median ratio). An intercept that would go negative by
+    more than rounding gives a line through the origin instead. Before ``min_samples``
+    samples: the prior. Refitted at each sample, O(window log window)."""
 
-    __slots__ = ("_xs", "_ys", "intercept", "min_samples", "slope")
+    __slots__ = ("_by_size", "intercept", "min_samples", "prior", "slope", "window")
 
     def __init__(
         self,
@@ -106,39 +108,51 @@ class ResistantLine:
     ) -> None:
         self.slope = slope
         self.intercept = intercept
+        self.prior = (intercept, slope)
         self.min_samples = min_samples
-        self._xs: deque[float] = deque(maxlen=window)
-        self._ys: deque[float] = deque(maxlen=window)
+        self.window = window
+        # The last ``window`` samples of each size class (x within a factor 2): a burst
+        # of one size (cache hits under load) must not push out what other sizes taught.
+        self._by_size: dict[int, deque[tuple[float, float]]] = {}
 
     def observe(self, x: float, y: float) -> None:
         if not (x > 0 and y > 0 and math.isfinite(x) and math.isfinite(y)):
             return
-        self._xs.append(x)
-        self._ys.append(y)
-        n = len(self._xs)
+        size = int(x).bit_length()
+        bucket = self._by_size.get(size)
+        if bucket is None:
+            bucket = self._by_size[size] = deque(maxlen=self.window)
+        bucket.append((x, y))
+        pts = sorted(p for b in self._by_size.values() for p in b)
+        n = len(pts)
         if n < self.min_samples:
             return
-        pts = sorted(zip(self._xs, self._ys, strict=True))
-        half = n // 2
+        groups = sorted(
+            (median(p[0] for p in b), median(p[1] for p in b)) for b in self._by_size.values()
+        )
         slopes = [
             (y2 - y1) / (x2 - x1)
-            for (x1, y1), (x2, y2) in zip(pts[:half], pts[half:], strict=False)
+            for i, (x1, y1) in enumerate(groups)
+            for x2, y2 in groups[i + 1 :]
             if x2 > 1.5 * x1
         ]
-        slope = self.slope
-        if len(slopes) >= self.min_samples:
-            fit = median(slopes)
-            if fit > 0:
-                slope = fit
-        intercept = median(y - slope * x for x, y in pts)
-        if intercept < -1e-6:  # the slope is too steep for what is seen: through the origin
-            slope = median(y / x for x, y in pts)
-        intercept = max(0.0, intercept)
+        fit = median(slopes) if slopes else 0.0
+        if fit > 0:
+            slope = fit
+            intercept = median(y - slope * x for x, y in pts)
+            if intercept < -1e-6:  # too steep for what is seen: through the origin
+                slope = median(y / x for x, y in pts)
+            intercept = max(0.0, intercept)
+        else:
+            # The sizes seen are too alike to split slope from intercept: scale the
+            # prior line as a whole (a 5x slower worker is 5x slower at any size).
+            k = median(y / (self.prior[0] + self.prior[1] * x) for x, y in pts)
+            intercept, slope = k * self.prior[0], k * self.prior[1]
         self.slope, self.intercept = slope, intercept
 
     @property
     def samples(self) -> int:
-        return len(self._xs)
+        return sum(len(b) for b in self._by_size.values())
 
 
 class MedianEstimator:
@@ -187,7 +201,9 @@ class WorkerWork:
     decode_tokens: int = 0  # expected output tokens of the requests in flight
     pending: dict[int, int] = field(default_factory=dict)  # ticket id -> uncached tokens
     # Seconds to first byte = intercept (per-request overhead) + slope * prefill tokens.
-    prefill: ResistantLine = field(default_factory=lambda: ResistantLine(1 / PRIOR_PREFILL_TPS))
+    prefill: ResistantLine = field(
+        default_factory=lambda: ResistantLine(1 / PRIOR_PREFILL_TPS, PRIOR_OVERHEAD_S)
+    )
     decode_s: MedianEstimator = field(default_factory=lambda: MedianEstimator(PRIOR_DECODE_S))
     engine: EngineReading | None = None
     # Share of the cached tokens the index predicts that the engine really had (from
@@ -420,11 +436,31 @@ class LoadModel:
         the ``matched`` ones the index predicts ``worker`` holds."""
         st = self.workers.get(worker)
         if st is None:
-            return max(0, uncached) / PRIOR_PREFILL_TPS
+            return PRIOR_OVERHEAD_S + max(0, uncached) / PRIOR_PREFILL_TPS
+        return (
+            self.ahead(worker)
+            + self.own_prefill(worker, uncached, matched)
+            + self.slot_wait(worker)
+        )
+
+    def own_prefill(self, worker: str, uncached: int, matched: int = 0) -> float:
+        """Predicted seconds of ``worker``'s prefill engine the request itself takes."""
+        st = self.workers.get(worker)
+        if st is None:
+            return PRIOR_OVERHEAD_S + max(0, uncached) / PRIOR_PREFILL_TPS
         line = st.prefill
         expect = max(0, uncached) + (1.0 - st.trust) * max(0, matched)
-        own = line.intercept + expect * line.slope
-        return self.ahead(worker) + own + self.slot_wait(worker)
+        return line.intercept + expect * line.slope
+
+    def queued_per_worker(self, workers: Iterable[str]) -> float:
+        """Mean number of requests waiting for their first byte per worker of ``workers``
+        (a proxy for how many requests will queue behind new work)."""
+        n = total = 0
+        for w in workers:
+            st = self.workers.get(w)
+            total += len(st.pending) if st is not None else 0
+            n += 1
+        return total / n if n else 0.0
 
     # ----------------------------------------------------------------- reading
 
