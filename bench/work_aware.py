@@ -175,6 +175,12 @@ def main() -> int:
     p.add_argument("--load", type=float, default=0.8, help="table rate / baseline capacity")
     p.add_argument("--max-steps", type=int, default=8)
     p.add_argument("--bisect", type=int, default=5)
+    p.add_argument(
+        "--no-sweep",
+        action="store_true",
+        help="no capacity sweep: the table at the workload's own arrival times (the "
+        "Mooncake trace's timestamps), capacity not reported",
+    )
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     args = p.parse_args()
     trace = args.trace if args.trace and Path(args.trace).exists() else None
@@ -189,12 +195,13 @@ def main() -> int:
         tps = sum(c.prefill_tokens_per_s for c in sc.cfg.costs())
         r0 = tps / (prep.prompt_tokens / len(prep.requests)) / 4
         caps: dict[str, float] = {}
-        for label, pol, settings in POLICIES:
-            caps[label], _ = capacity(prep, pol, settings, sc.cfg, args, r0)
-        rate = args.load * caps[BASELINE]
+        if not args.no_sweep:
+            for label, pol, settings in POLICIES:
+                caps[label], _ = capacity(prep, pol, settings, sc.cfg, args, r0)
+        rate = args.load * caps[BASELINE] if caps else 0.0
         rows = []
         for label, pol, settings in POLICIES:
-            row = run(at_rate(prep, rate), pol, settings, sc.cfg)
+            row = run(at_rate(prep, rate) if rate else prep, pol, settings, sc.cfg)
             row.name = label
             rows.append(row)
         print(
@@ -224,10 +231,11 @@ def table(rows: list[ResultRow], caps: dict[str, float], bound: float) -> str:
     lines = [head, "|---|---|---|---|---|---|---|"]
     for r in rows:
         e = r.extra
+        cap = f"{caps[r.name]:.2f}" if r.name in caps else "-"
         lines.append(
             f"| {r.name} | {r.hit_rate:.1%} ({bound:.1%}) | {r.ttft_p50:.3f} / {r.ttft_p90:.3f}"
             f" / {r.ttft_p99:.3f} | {e['queue_wait_p99']:.3f} | {e['busy_max_over_mean']:.2f}"
-            f" | {e['ttft_mae_s']:.3f} | {caps[r.name]:.2f} |"
+            f" | {e['ttft_mae_s']:.3f} | {cap} |"
         )
     return "\n".join(lines)
 
