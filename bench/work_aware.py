@@ -204,9 +204,10 @@ def main() -> int:
             row = run(at_rate(prep, rate) if rate else prep, pol, settings, sc.cfg)
             row.name = label
             rows.append(row)
+        at = f"{rate:.2f} req/s (Poisson)" if rate else "the workload's own arrival times"
         print(
             f"\n### {sc.name}: {len(prep.requests)} requests, {sc.cfg.workers} workers, "
-            f"table at {rate:.2f} req/s ({time.perf_counter() - t0:.0f} s)\n"
+            f"table at {at} ({time.perf_counter() - t0:.0f} s)\n"
         )
         print(table(rows, caps, bound))
         sys.stdout.flush()
