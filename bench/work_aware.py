@@ -22,7 +22,9 @@ generated-shared-prefix defaults, 8 workers), ``llmd_zipf`` (llm-d's long shared
 shape, group popularity Zipf s=1.1), ``chat`` (multi-turn chat, log-normal lengths:
 ``multiturn(sigma=1.8)``, prompt p99 ~17x median, up to ~90k tokens), ``hetero``
 (gsp8 on a fleet whose last 2 of 8 workers prefill at half speed), ``gsp64`` (gsp with
-512 groups on 64 workers), ``mooncake_200k`` (the trace at the default 200k tokens per
+512 groups on 64 workers), ``gsp8_prefill`` and ``hetero_prefill`` (the routing-quality
+study's prefill-bound GSP shape: 3,000 prefill tokens/s, 32 output tokens; the second with
+2 of 8 workers at half speed), ``mooncake_200k`` (the trace at the default 200k tokens per
 worker: heavy cache pressure, where the approximate index believes in evicted prefixes).
 
     python bench/work_aware.py --out bench/results/work_aware.json
@@ -65,6 +67,7 @@ class Scenario:
 
 def scenarios(trace: str | None) -> list[Scenario]:
     cost = CostModel()
+    slow_cost = CostModel(prefill_tokens_per_s=3000.0)
     base = {"learn_capacity": True, "policy_settings": {"seed": 0}}
     out = []
     if trace:
@@ -94,6 +97,19 @@ def scenarios(trace: str | None) -> list[Scenario]:
             FleetConfig(workers=8, worker_costs=heterogeneous(cost, 8, 2, 0.5), **base),  # type: ignore[arg-type]
         ),
         Scenario("gsp64", lambda: wl.gsp(512, 16, 2048, 128, 256), FleetConfig(workers=64, **base)),  # type: ignore[arg-type]
+        # Prefill-bound: the routing-quality study's GSP shape (3,000 prefill tokens/s,
+        # 32 output tokens), where routing decides the capacity; and 2 of its 8 workers
+        # at half that speed.
+        Scenario(
+            "gsp8_prefill",
+            lambda: wl.gsp(64, 16, 2048, 128, 32),
+            FleetConfig(workers=8, cost=slow_cost, **base),  # type: ignore[arg-type]
+        ),
+        Scenario(
+            "hetero_prefill",
+            lambda: wl.gsp(64, 16, 2048, 128, 32),
+            FleetConfig(workers=8, worker_costs=heterogeneous(slow_cost, 8, 2, 0.5), **base),  # type: ignore[arg-type]
+        ),
     ]
     if trace:
         # The default 200k tokens per worker: the index believes in evicted prefixes.
@@ -159,6 +175,12 @@ def main() -> int:
     p.add_argument("--load", type=float, default=0.8, help="table rate / baseline capacity")
     p.add_argument("--max-steps", type=int, default=8)
     p.add_argument("--bisect", type=int, default=5)
+    p.add_argument(
+        "--no-sweep",
+        action="store_true",
+        help="no capacity sweep: the table at the workload's own arrival times (the "
+        "Mooncake trace's timestamps), capacity not reported",
+    )
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     args = p.parse_args()
     trace = args.trace if args.trace and Path(args.trace).exists() else None
@@ -173,17 +195,19 @@ def main() -> int:
         tps = sum(c.prefill_tokens_per_s for c in sc.cfg.costs())
         r0 = tps / (prep.prompt_tokens / len(prep.requests)) / 4
         caps: dict[str, float] = {}
-        for label, pol, settings in POLICIES:
-            caps[label], _ = capacity(prep, pol, settings, sc.cfg, args, r0)
-        rate = args.load * caps[BASELINE]
+        if not args.no_sweep:
+            for label, pol, settings in POLICIES:
+                caps[label], _ = capacity(prep, pol, settings, sc.cfg, args, r0)
+        rate = args.load * caps[BASELINE] if caps else 0.0
         rows = []
         for label, pol, settings in POLICIES:
-            row = run(at_rate(prep, rate), pol, settings, sc.cfg)
+            row = run(at_rate(prep, rate) if rate else prep, pol, settings, sc.cfg)
             row.name = label
             rows.append(row)
+        at = f"{rate:.2f} req/s (Poisson)" if rate else "the workload's own arrival times"
         print(
             f"\n### {sc.name}: {len(prep.requests)} requests, {sc.cfg.workers} workers, "
-            f"table at {rate:.2f} req/s ({time.perf_counter() - t0:.0f} s)\n"
+            f"table at {at} ({time.perf_counter() - t0:.0f} s)\n"
         )
         print(table(rows, caps, bound))
         sys.stdout.flush()
@@ -208,10 +232,11 @@ def table(rows: list[ResultRow], caps: dict[str, float], bound: float) -> str:
     lines = [head, "|---|---|---|---|---|---|---|"]
     for r in rows:
         e = r.extra
+        cap = f"{caps[r.name]:.2f}" if r.name in caps else "-"
         lines.append(
             f"| {r.name} | {r.hit_rate:.1%} ({bound:.1%}) | {r.ttft_p50:.3f} / {r.ttft_p90:.3f}"
             f" / {r.ttft_p99:.3f} | {e['queue_wait_p99']:.3f} | {e['busy_max_over_mean']:.2f}"
-            f" | {e['ttft_mae_s']:.3f} | {caps[r.name]:.2f} |"
+            f" | {e['ttft_mae_s']:.3f} | {cap} |"
         )
     return "\n".join(lines)
 

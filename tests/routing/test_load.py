@@ -7,6 +7,7 @@ import random
 import pytest
 
 from kvroute.routing.load import (
+    PRIOR_OVERHEAD_S,
     PRIOR_PREFILL_TPS,
     LoadModel,
     ResistantLine,
@@ -38,10 +39,11 @@ def test_reservations_release_exactly_once_in_two_parts() -> None:
 def test_prediction_counts_queued_work_ahead_and_own_tokens() -> None:
     m = LoadModel()
     idle = m.ttft("w", 1500)
-    assert idle == pytest.approx(1500 / PRIOR_PREFILL_TPS)
+    assert idle == pytest.approx(PRIOR_OVERHEAD_S + 1500 / PRIOR_PREFILL_TPS)
     m.reserve("w", 30_000, 10, now=0.0)  # one long prompt queued (half done: the head)
     m.reserve("w", 15_000, 10, now=0.0)
-    expect = (15_000 + 15_000 + 1500) / PRIOR_PREFILL_TPS
+    # 1.5 requests ahead (overheads) + 15k + 15k tokens, then its own.
+    expect = 2.5 * PRIOR_OVERHEAD_S + (15_000 + 15_000 + 1500) / PRIOR_PREFILL_TPS
     assert m.ttft("w", 1500) == pytest.approx(expect)
     # Many short requests weigh what they cost, not what they count.
     for _ in range(10):
@@ -116,13 +118,17 @@ def test_a_heterogeneous_fleet_is_told_apart() -> None:
 
 def test_before_enough_samples_the_prior_holds_and_memory_is_bounded() -> None:
     line = ResistantLine(1 / 15_000, window=8)
-    line.observe(1000, 0.5)
+    line.observe(1100, 0.5)
     assert line.slope == 1 / 15_000
     for i in range(100):
-        line.observe(1000 + i, 0.5)
-    assert line.samples == 8
-    # Samples at one size cannot split slope from intercept: the slope is kept.
-    assert line.slope == 1 / 15_000
+        line.observe(1100 + i, 0.5)
+    assert line.samples == 8  # per size class
+    # Samples of one size cannot split slope from intercept: the prior line is scaled.
+    assert line.intercept + 1195 * line.slope == pytest.approx(0.5, rel=0.01)
+    line.observe(3000, 1.0)
+    line.observe(300, 0.2)
+    assert line.samples == 10
+    assert line.intercept + 3000 * line.slope == pytest.approx(1.0, rel=0.2)
 
 
 def test_prefill_is_learned_only_from_requests_that_ran_alone() -> None:

@@ -7,9 +7,18 @@ For every healthy worker ``w`` the policy asks the work model (``kvroute.routing
                   + slot wait on w (decode interference: no free slot until a running
                   request ends)
 
-and picks the minimum. A long match lowers ``uncached`` and so wins while the holder's
-queue is short; once the queue ahead of it costs more than the prefill its cache saves,
-a faster or idler worker wins and starts to hold the prefix too. Nothing compares request
+and picks the worker of least **cost**: ``ttft(w) + L * own(w)``, where ``own(w)`` is the
+request's own share of it (its prefill seconds there) and ``L`` the mean number of
+requests waiting for their first byte per healthy worker. The second term is the delay
+this request's prefill adds to the requests that will queue behind it (FIFO: each of
+them waits ``own(w)`` longer; about ``L`` of them, by Little's law at the current load).
+Pure TTFT (``L`` = 0, an idle fleet) would spread a hot prefix to an idle worker as soon
+as the holder's queue exceeds one cold prefill, and at high load those extra cold
+prefills (more total work, a lower hit rate) are what saturates the fleet; the term
+makes a miss cost more the busier the fleet is. A long match lowers ``uncached`` and so
+wins while the holder's queue is short; once the queue ahead of it costs more than the
+prefill its cache saves (counted ``1 + L`` times), a faster or idler worker wins and
+starts to hold the prefix too. Nothing compares request
 counts: a 100,000-token prompt weighs what it costs, and a slower worker (learned rate)
 gets proportionally less work.
 
@@ -64,10 +73,13 @@ class MinTtft(Policy):
         n = len(tokens)
         matches = self.index.match(tokens) if n else {}
         work = self.work
-        scored = [
-            (work.ttft(w, n - matches.get(w, 0), matches.get(w, 0)), -matches.get(w, 0), w)
-            for w in loads
-        ]
+        behind = work.queued_per_worker(loads)
+        scored = []
+        for w in loads:
+            m = matches.get(w, 0)
+            own = work.own_prefill(w, n - m, m)
+            cost = work.ttft(w, n - m, m) + behind * own
+            scored.append((cost, -m, w))
         if self.temperature > 0 and len(scored) > 1:
             worker = self._sample(scored)
         else:

@@ -1,170 +1,21 @@
-"""Load in units of work: what each worker still has to do, how fast it does it, and the
-time to first token (TTFT) a request would see there.
-
-One ``LoadModel`` per router process (and per simulated router replica: the fleet
-simulator runs this same code in virtual time). Every time argument is a caller's clock
-in seconds (``time.monotonic()`` in ``serve``, virtual time in ``kvroute.sim.fleet``).
-
-What is counted, per worker
-    * **prefill work**: the *uncached* prompt tokens of every request routed there whose
-      first byte has not come back yet, as predicted from the index match at decision
-      time (``reserve``). Released when the first byte arrives (``Ticket.first_byte``).
-    * **decode work**: the requests in flight and their expected output tokens
-      (``max_tokens`` / ``max_completion_tokens`` / ``max_new_tokens`` when the request
-      sets one, else a running mean of observed outputs). Released when the request ends
-      (``Ticket.end``; which also releases the prefill part if no byte ever came back).
-    Both are released exactly once whatever ends the request, like the registry's
-    ``Reservation``; ``serve`` chains the ticket's ``end`` to that reservation's release.
-    * **what other routers and bypassing clients put there**, from the engines' own
-      readings (``observe_engine``: vLLM ``num_requests_running/waiting`` and
-      ``kv_cache_usage_perc``, SGLang's running/queued counts): requests beyond ours
-      count for the slot term below, and waiting ones beyond ours count as that many
-      requests of the mean uncached size of ours.
-
-Learned speed, per worker (so a heterogeneous fleet is told apart)
-    * prefill: time to first byte = ``overhead + uncached tokens / rate``, a line fitted
-      to (uncached tokens, seconds from decision to first byte) samples
-      (``ResistantLine``: a Theil-Sen slope on paired samples, the median residual as
-      overhead; bounded window of ``WINDOW`` samples). Only requests that had nothing
-      queued ahead of them and a free slot when routed give a sample (their first byte
-      times their own prefill, nothing else). The sample is taken at the request's end,
-      when the engine may have reported what it really had cached (``usage``
-      ``prompt_tokens`` - ``cached_tokens``, in the router's token units): the index's
-      guess is used only when it did not, so an evicted prefix the index still believed
-      in does not pass for a slow worker.
-    * index trust: the share of the cached tokens the index predicted that the engine
-      reported it really had (EWMA, prior 1). The index only guesses (evictions, other
-      routers, restarts); where its guesses fail, a predicted match is worth that much
-      less: a request is expected to prefill ``uncached + (1 - trust) * matched``.
-    * decode seconds per token: at each end with a known output length,
-      ``(end - first byte) / (output tokens - 1)``, the median of the last ``WINDOW``.
-    Before ``MIN_SAMPLES`` samples the priors hold: ``PRIOR_PREFILL_TPS`` (the
-    simulator's default worker, an 8B model on one H100), no overhead, ``PRIOR_DECODE_S``.
-    Medians shrug off the outliers a shared machine or a stall produce. A worker that
-    leaves (or goes down) forgets what was learned (it may come back as other hardware).
-
-The prediction (``ttft``), for a request with ``uncached`` tokens on worker ``w``::
-
-    ahead   = prefill queued on w, in seconds: its requests' overheads and uncached
-              tokens over the learned line (the oldest counted half: it is probably
-              being prefilled, half done on average) + others' waiting requests, each
-              of the mean uncached size of ours
-    ttft    = ahead + overhead(w) + uncached / rate(w) + slot_wait(w)
-    slot_wait = 0 while w has a free slot (requests in flight, ours + others, below its
-              capacity: ``--worker-capacity`` or learned from the engines); else the
-              request waits for (n - capacity + 1) of ``capacity`` slots to free, each
-              after a uniformly spread remaining decode time (the k-th of ``capacity``
-              running requests ends after k / (capacity + 1) of a whole decode):
-              (n - capacity + 1) / (capacity + 1) * mean_expected_output * decode_s(w)
-    A worker whose engine reports its KV cache >= ``KV_FULL`` full is treated as having
-    no free slot (the engine cannot admit more), with its running count as capacity.
-
-Prefill engines run one prompt at a time in arrival order (vLLM and SGLang schedule
-waiting prompts FIFO), so work ahead adds up; decode running beside prefill slows it,
-which the learned rate absorbs at the load it was measured under. Per-request overhead
-(scheduling, HTTP) is the learned line's intercept.
-"""
+"""The work model's state and arithmetic; the algorithm is described in the package
+docstring (``kvroute.routing.load``)."""
 
 from __future__ import annotations
 
-import math
-from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from statistics import median
 from typing import Any
 
+from kvroute.routing.load.estimators import MedianEstimator, ResistantLine
+
 PRIOR_PREFILL_TPS = 15_000.0
+PRIOR_OVERHEAD_S = 0.005
 PRIOR_DECODE_S = 0.020
 PRIOR_OUTPUT_TOKENS = 256.0
-WINDOW = 64
-MIN_SAMPLES = 3
 KV_FULL = 0.95
 OUTPUT_EWMA = 0.05  # weight of one observed output length in the running mean
 TRUST_EWMA = 0.05  # weight of one reported cache hit in the index's trust
-
-
-class ResistantLine:
-    """``y = intercept + slope * x`` fitted robustly to the last ``window`` samples: sorted
-    by ``x``, sample ``i`` is paired with sample ``i + n/2`` (a Theil-Sen estimator on
-    n/2 pairs); the slope is the median of the pairs' slopes, the intercept the median
-    residual. A few wild samples (a stall, a slot wait) move neither. Pairs whose ``x``
-    are less than 1.5x apart are skipped; while fewer than ``min_samples`` pairs remain
-    (the ``x`` seen are too alike to tell slope from intercept) the slope is kept (prior
-    or last fit) and only the intercept is fitted, unless it would go negative by more
-    than rounding (then a line through the origin). Before ``min_samples`` samples: the
-    priors. Refitted at each sample, O(window log window)."""
-
-    __slots__ = ("_xs", "_ys", "intercept", "min_samples", "slope")
-
-    def __init__(
-        self,
-        slope: float,
-        intercept: float = 0.0,
-        window: int = WINDOW,
-        min_samples: int = MIN_SAMPLES,
-    ) -> None:
-        self.slope = slope
-        self.intercept = intercept
-        self.min_samples = min_samples
-        self._xs: deque[float] = deque(maxlen=window)
-        self._ys: deque[float] = deque(maxlen=window)
-
-    def observe(self, x: float, y: float) -> None:
-        if not (x > 0 and y > 0 and math.isfinite(x) and math.isfinite(y)):
-            return
-        self._xs.append(x)
-        self._ys.append(y)
-        n = len(self._xs)
-        if n < self.min_samples:
-            return
-        pts = sorted(zip(self._xs, self._ys, strict=True))
-        half = n // 2
-        slopes = [
-            (y2 - y1) / (x2 - x1)
-            for (x1, y1), (x2, y2) in zip(pts[:half], pts[half:], strict=False)
-            if x2 > 1.5 * x1
-        ]
-        slope = self.slope
-        if len(slopes) >= self.min_samples:
-            fit = median(slopes)
-            if fit > 0:
-                slope = fit
-        intercept = median(y - slope * x for x, y in pts)
-        if intercept < -1e-6:  # the slope is too steep for what is seen: through the origin
-            slope = median(y / x for x, y in pts)
-        intercept = max(0.0, intercept)
-        self.slope, self.intercept = slope, intercept
-
-    @property
-    def samples(self) -> int:
-        return len(self._xs)
-
-
-class MedianEstimator:
-    """Median of the last ``window`` samples; ``prior`` until ``min_samples`` came."""
-
-    __slots__ = ("_samples", "_value", "min_samples", "prior")
-
-    def __init__(self, prior: float, window: int = WINDOW, min_samples: int = MIN_SAMPLES) -> None:
-        self.prior = prior
-        self.min_samples = min_samples
-        self._samples: deque[float] = deque(maxlen=window)
-        self._value = prior
-
-    def observe(self, x: float) -> None:
-        if x > 0 and x == x and x != float("inf"):
-            self._samples.append(x)
-            if len(self._samples) >= self.min_samples:
-                self._value = median(self._samples)
-
-    @property
-    def value(self) -> float:
-        return self._value
-
-    @property
-    def samples(self) -> int:
-        return len(self._samples)
 
 
 @dataclass(slots=True)
@@ -187,7 +38,9 @@ class WorkerWork:
     decode_tokens: int = 0  # expected output tokens of the requests in flight
     pending: dict[int, int] = field(default_factory=dict)  # ticket id -> uncached tokens
     # Seconds to first byte = intercept (per-request overhead) + slope * prefill tokens.
-    prefill: ResistantLine = field(default_factory=lambda: ResistantLine(1 / PRIOR_PREFILL_TPS))
+    prefill: ResistantLine = field(
+        default_factory=lambda: ResistantLine(1 / PRIOR_PREFILL_TPS, PRIOR_OVERHEAD_S)
+    )
     decode_s: MedianEstimator = field(default_factory=lambda: MedianEstimator(PRIOR_DECODE_S))
     engine: EngineReading | None = None
     # Share of the cached tokens the index predicts that the engine really had (from
@@ -420,11 +273,31 @@ class LoadModel:
         the ``matched`` ones the index predicts ``worker`` holds."""
         st = self.workers.get(worker)
         if st is None:
-            return max(0, uncached) / PRIOR_PREFILL_TPS
+            return PRIOR_OVERHEAD_S + max(0, uncached) / PRIOR_PREFILL_TPS
+        return (
+            self.ahead(worker)
+            + self.own_prefill(worker, uncached, matched)
+            + self.slot_wait(worker)
+        )
+
+    def own_prefill(self, worker: str, uncached: int, matched: int = 0) -> float:
+        """Predicted seconds of ``worker``'s prefill engine the request itself takes."""
+        st = self.workers.get(worker)
+        if st is None:
+            return PRIOR_OVERHEAD_S + max(0, uncached) / PRIOR_PREFILL_TPS
         line = st.prefill
         expect = max(0, uncached) + (1.0 - st.trust) * max(0, matched)
-        own = line.intercept + expect * line.slope
-        return self.ahead(worker) + own + self.slot_wait(worker)
+        return line.intercept + expect * line.slope
+
+    def queued_per_worker(self, workers: Iterable[str]) -> float:
+        """Mean number of requests waiting for their first byte per worker of ``workers``
+        (a proxy for how many requests will queue behind new work)."""
+        n = total = 0
+        for w in workers:
+            st = self.workers.get(w)
+            total += len(st.pending) if st is not None else 0
+            n += 1
+        return total / n if n else 0.0
 
     # ----------------------------------------------------------------- reading
 

@@ -1,0 +1,97 @@
+"""Load in units of work: what each worker still has to do, how fast it does it, and the
+time to first token (TTFT) a request would see there.
+
+One ``LoadModel`` per router process (and per simulated router replica: the fleet
+simulator runs this same code in virtual time). Every time argument is a caller's clock
+in seconds (``time.monotonic()`` in ``serve``, virtual time in ``kvroute.sim.fleet``).
+
+What is counted, per worker
+    * **prefill work**: the *uncached* prompt tokens of every request routed there whose
+      first byte has not come back yet, as predicted from the index match at decision
+      time (``reserve``). Released when the first byte arrives (``Ticket.first_byte``).
+    * **decode work**: the requests in flight and their expected output tokens
+      (``max_tokens`` / ``max_completion_tokens`` / ``max_new_tokens`` when the request
+      sets one, else a running mean of observed outputs). Released when the request ends
+      (``Ticket.end``; which also releases the prefill part if no byte ever came back).
+    Both are released exactly once whatever ends the request, like the registry's
+    ``Reservation``; ``serve`` chains the ticket's ``end`` to that reservation's release.
+    * **what other routers and bypassing clients put there**, from the engines' own
+      readings (``observe_engine``: vLLM ``num_requests_running/waiting`` and
+      ``kv_cache_usage_perc``, SGLang's running/queued counts): requests beyond ours
+      count for the slot term below, and waiting ones beyond ours count as that many
+      requests of the mean uncached size of ours.
+
+Learned speed, per worker (so a heterogeneous fleet is told apart)
+    * prefill: time to first byte = ``overhead + uncached tokens / rate``, a line fitted
+      to (uncached tokens, seconds from decision to first byte) samples
+      (``ResistantLine``: a Theil-Sen slope on paired samples, the median residual as
+      overhead; bounded window of ``WINDOW`` samples). Only requests that had nothing
+      queued ahead of them and a free slot when routed give a sample (their first byte
+      times their own prefill, nothing else). The sample is taken at the request's end,
+      when the engine may have reported what it really had cached (``usage``
+      ``prompt_tokens`` - ``cached_tokens``, in the router's token units): the index's
+      guess is used only when it did not, so an evicted prefix the index still believed
+      in does not pass for a slow worker.
+    * index trust: the share of the cached tokens the index predicted that the engine
+      reported it really had (EWMA, prior 1). The index only guesses (evictions, other
+      routers, restarts); where its guesses fail, a predicted match is worth that much
+      less: a request is expected to prefill ``uncached + (1 - trust) * matched``.
+    * decode seconds per token: at each end with a known output length,
+      ``(end - first byte) / (output tokens - 1)``, the median of the last ``WINDOW``.
+    Before ``MIN_SAMPLES`` samples the priors hold: ``PRIOR_PREFILL_TPS`` (the
+    simulator's default worker, an 8B model on one H100), ``PRIOR_OVERHEAD_S``, ``PRIOR_DECODE_S``.
+    Medians shrug off the outliers a shared machine or a stall produce. A worker that
+    leaves (or goes down) forgets what was learned (it may come back as other hardware).
+
+The prediction (``ttft``), for a request with ``uncached`` tokens on worker ``w``::
+
+    ahead   = prefill queued on w, in seconds: its requests' overheads and uncached
+              tokens over the learned line (the oldest counted half: it is probably
+              being prefilled, half done on average) + others' waiting requests, each
+              of the mean uncached size of ours
+    ttft    = ahead + overhead(w) + uncached / rate(w) + slot_wait(w)
+    slot_wait = 0 while w has a free slot (requests in flight, ours + others, below its
+              capacity: ``--worker-capacity`` or learned from the engines); else the
+              request waits for (n - capacity + 1) of ``capacity`` slots to free, each
+              after a uniformly spread remaining decode time (the k-th of ``capacity``
+              running requests ends after k / (capacity + 1) of a whole decode):
+              (n - capacity + 1) / (capacity + 1) * mean_expected_output * decode_s(w)
+    A worker whose engine reports its KV cache >= ``KV_FULL`` full is treated as having
+    no free slot (the engine cannot admit more), with its running count as capacity.
+
+Prefill engines run one prompt at a time in arrival order (vLLM and SGLang schedule
+waiting prompts FIFO), so work ahead adds up; decode running beside prefill slows it,
+which the learned rate absorbs at the load it was measured under. Per-request overhead
+(scheduling, HTTP) is the learned line's intercept.
+"""
+
+from kvroute.routing.load.estimators import MIN_SAMPLES, WINDOW, MedianEstimator, ResistantLine
+from kvroute.routing.load.model import (
+    KV_FULL,
+    PRIOR_DECODE_S,
+    PRIOR_OUTPUT_TOKENS,
+    PRIOR_OVERHEAD_S,
+    PRIOR_PREFILL_TPS,
+    EngineReading,
+    LoadModel,
+    Ticket,
+    WorkerWork,
+    max_tokens_of,
+)
+
+__all__ = [
+    "KV_FULL",
+    "MIN_SAMPLES",
+    "PRIOR_DECODE_S",
+    "PRIOR_OUTPUT_TOKENS",
+    "PRIOR_OVERHEAD_S",
+    "PRIOR_PREFILL_TPS",
+    "WINDOW",
+    "EngineReading",
+    "LoadModel",
+    "MedianEstimator",
+    "ResistantLine",
+    "Ticket",
+    "WorkerWork",
+    "max_tokens_of",
+]
