@@ -27,13 +27,25 @@ import logging
 import os
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+import jinja2
 import numpy
+import orjson
 
 from kvroute.errors import BadRequestError
+from kvroute.routing.templates import (
+    Bounds,
+    TemplateBoundsError,
+    compile_template,
+    render,
+    render_off_loop,
+    request_template_kwargs,
+    template_messages,
+)
 
 log = logging.getLogger("kvroute.routing.tokenization")
 
@@ -61,23 +73,44 @@ def utf8_tokens(text: str) -> array.array[int]:
     return array.array("I", raw.astype(numpy.uint32).tobytes())
 
 
-def _token_list(value: Any, field: str) -> array.array[int]:
+def _token_list(value: Any, field: str, max_id: int = MAX_TOKEN_ID) -> array.array[int]:
+    """``value`` as token IDs: a non-empty list of ints (booleans refused) in
+    [0, max_id]. Raises BadRequestError naming the first bad one."""
     if not isinstance(value, list) or not value:
         raise BadRequestError(f"'{field}' must be a non-empty list of token IDs")
+    # One C-speed pass over the element types: bool is an int subclass that array()
+    # would take as 0/1, so only exact ints pass.
+    if set(map(type, value)) != {int}:
+        bad = next(v for v in value if type(v) is not int)
+        raise BadRequestError(f"'{field}' must contain integer token IDs, got {bad!r}")
     try:
-        return array.array("I", value)
-    except (TypeError, OverflowError):
-        bad = next(
-            (
-                v
-                for v in value
-                if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_TOKEN_ID
-            ),
-            None,
-        )
+        ids = array.array("I", value)
+    except OverflowError:
+        bad = next(v for v in value if not 0 <= v <= MAX_TOKEN_ID)
         raise BadRequestError(
-            f"'{field}' must contain integer token IDs in [0, {MAX_TOKEN_ID}], got {bad!r}"
+            f"'{field}' must contain token IDs in [0, {max_id}], got {bad}"
         ) from None
+    if max_id < MAX_TOKEN_ID and max(ids) > max_id:
+        raise BadRequestError(
+            f"'{field}' holds token ID {max(ids)}, outside the tokenizer's vocabulary "
+            f"[0, {max_id}]",
+            code="token_id_out_of_vocabulary",
+        )
+    return ids
+
+
+def _prompt_batch(value: Any, field: str) -> list[Any]:
+    """The prompts of ``value``: itself, or its items when it is a batch (a list of
+    strings or of token-ID lists); every item must be of one kind."""
+    if isinstance(value, list) and value and isinstance(value[0], str | list):
+        kind = str if isinstance(value[0], str) else list
+        for i, item in enumerate(value):
+            if not isinstance(item, kind):
+                raise BadRequestError(
+                    f"'{field}'[{i}]: a batch must be all strings or all token-ID lists"
+                )
+        return list(value)
+    return [value]
 
 
 def _message_text(content: Any, index: int) -> str:
@@ -108,12 +141,85 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
     return messages
 
 
-class PromptTokenizer:
-    """Turns request bodies into token IDs (``array('I')``), with a segment cache."""
+def _entry_bytes(text: str, ids: tuple[int, ...]) -> int:
+    """What a segment-cache entry costs: the key (CPython str, 1-4 bytes a character,
+    ASCII assumed), the tuple of small ints (8-byte pointers; IDs below 2**30 are
+    28-byte ints, shared only up to 256) and the dict slot, as an estimate."""
+    return 49 + len(text) + 56 + 36 * len(ids) + 100
 
-    def __init__(self, tokenizer_dir: str | None, cache_size: int = 8192) -> None:
+
+def load_tokenizer(tokenizer_dir: str) -> Any:
+    """transformers' AutoTokenizer from ``tokenizer_dir`` (offline); a directory
+    without a usable tokenizer raises TokenizerLoadError with one line saying so."""
+    files = os.listdir(tokenizer_dir)
+    known = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    if not any(f in files for f in known):
+        raise TokenizerLoadError(
+            f"--tokenizer {tokenizer_dir!r}: no tokenizer files there "
+            f"(expected one of {', '.join(known)})"
+        )
+    for name in files:
+        path = os.path.join(tokenizer_dir, name)
+        if os.path.isfile(path) and not os.access(path, os.R_OK):
+            raise TokenizerLoadError(f"--tokenizer {tokenizer_dir!r}: cannot read {name}")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    except Exception as e:
+        detail = " ".join(str(e).split())[:300]
+        raise TokenizerLoadError(
+            f"--tokenizer {tokenizer_dir!r}: cannot load the tokenizer: "
+            f"{type(e).__name__}: {detail}"
+        ) from None
+
+
+def load_chat_template(tok: Any, tokenizer_dir: str) -> Any:
+    """The tokenizer's chat template compiled in the bounded sandbox, or None when it
+    has none. A template that does not compile raises TokenizerLoadError."""
+    source = getattr(tok, "chat_template", None)
+    if isinstance(source, dict):  # named templates: the default one
+        source = source.get("default")
+    if not isinstance(source, str):
+        return None
+    try:
+        return compile_template(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise TokenizerLoadError(
+            f"--tokenizer {tokenizer_dir!r}: the chat template does not compile: "
+            f"{e.message} (line {e.lineno})"
+        ) from None
+
+
+class TokenizerLoadError(ValueError):
+    """The tokenizer directory cannot be used; the message says why, in one line."""
+
+
+class PromptTokenizer:
+    """Turns request bodies into token IDs (``array('I')``), with a segment cache.
+
+    ``cache_size`` bounds the segment cache in entries and ``cache_bytes`` in bytes
+    (text and IDs together). ``trust_request_chat_template`` lets requests bring their
+    own template and any kwargs; ``template_timeout_s`` bounds each render's time."""
+
+    def __init__(
+        self,
+        tokenizer_dir: str | None,
+        cache_size: int = 8192,
+        *,
+        cache_bytes: int = 64 * 1024 * 1024,
+        trust_request_chat_template: bool = False,
+        template_timeout_s: float = 2.0,
+    ) -> None:
         self.tokenizer_dir = tokenizer_dir
         self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
+        self._cache_used = 0
+        self.trust_request_chat_template = trust_request_chat_template
+        self.template_timeout_s = template_timeout_s
+        self.max_token_id = MAX_TOKEN_ID
+        self._template: Any = None
+        self._special_map: dict[str, Any] = {}
         self._cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self.cache_hits = 0
         self.cache_misses = 0
@@ -124,26 +230,28 @@ class PromptTokenizer:
         self._prefix_specials: list[int] = []
         self._lock = threading.Lock()
         if tokenizer_dir is not None:
-            # The Rust tokenizer's rayon threads spin after every call; the router encodes
-            # one text per call, so parallelism only burns CPU (+30-50% per encode,
-            # measured). An explicit setting by the user wins.
-            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-            from transformers import AutoTokenizer
+            self._load(tokenizer_dir)
 
-            self._tok = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-            self._fast = getattr(self._tok, "_tokenizer", None)
-            specials = {t: i for t, i in self._tok.get_added_vocab().items() if t}
-            self._special_ids = specials
-            # What the tokenizer puts before a text when adding special tokens (BOS).
-            try:
-                self._prefix_specials = list(self._tok.build_inputs_with_special_tokens([]))
-            except Exception:
-                self._prefix_specials = []
-            if specials:
-                alternation = "|".join(
-                    re.escape(t) for t in sorted(specials, key=len, reverse=True)
-                )
-                self._special = re.compile(f"({alternation})")
+    def _load(self, tokenizer_dir: str) -> None:
+        # The Rust tokenizer's rayon threads spin after every call; the router encodes
+        # one text per call, so parallelism only burns CPU (+30-50% per encode,
+        # measured). An explicit setting by the user wins.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        self._tok = load_tokenizer(tokenizer_dir)
+        self._fast = getattr(self._tok, "_tokenizer", None)
+        specials = {t: i for t, i in self._tok.get_added_vocab().items() if t}
+        self._special_ids = specials
+        self.max_token_id = max([len(self._tok) - 1, *specials.values()])
+        self._special_map = dict(self._tok.special_tokens_map)
+        self._template = load_chat_template(self._tok, tokenizer_dir)
+        # What the tokenizer puts before a text when adding special tokens (BOS).
+        try:
+            self._prefix_specials = list(self._tok.build_inputs_with_special_tokens([]))
+        except Exception:
+            self._prefix_specials = []
+        if specials:
+            alternation = "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True))
+            self._special = re.compile(f"({alternation})")
 
     @property
     def uses_bytes(self) -> bool:
@@ -189,9 +297,19 @@ class PromptTokenizer:
         found = dict(zip(texts, encoded, strict=True))
         with self._lock:
             for text, ids in found.items():
+                size = _entry_bytes(text, ids)
+                if size > self.cache_bytes // 4:
+                    continue  # one huge piece would flush everything else
+                old = self._cache.pop(text, None)
+                if old is not None:
+                    self._cache_used -= _entry_bytes(text, old)
                 self._cache[text] = ids
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+                self._cache_used += size
+            while self._cache and (
+                len(self._cache) > self.cache_size or self._cache_used > self.cache_bytes
+            ):
+                text, ids = self._cache.popitem(last=False)
+                self._cache_used -= _entry_bytes(text, ids)
         return found
 
     @staticmethod
@@ -236,95 +354,107 @@ class PromptTokenizer:
     # ------------------------------------------------------------------ rendering
 
     def render_chat(self, messages: list[dict[str, Any]], body: dict[str, Any]) -> str:
+        """The prompt text the engine builds from ``messages`` (synchronous; see
+        ``render_chat_async``). Raises BadRequestError."""
         if self._tok is None:
+            request_template_kwargs(body, trusted=self.trust_request_chat_template)
             return "".join(
                 f"{m['role']}: {_message_text(m.get('content'), i)}\n"
                 for i, m in enumerate(messages)
             )
-        kwargs: dict[str, Any] = {}
-        if isinstance(body.get("tools"), list):
-            kwargs["tools"] = body["tools"]
-        if isinstance(body.get("chat_template_kwargs"), dict):
-            kwargs.update(body["chat_template_kwargs"])
+        return self._render(messages, body, time.monotonic() + self.template_timeout_s)
+
+    async def render_chat_async(self, messages: list[dict[str, Any]], body: dict[str, Any]) -> str:
+        """``render_chat`` in the template thread pool, so that no template (the
+        model's or a trusted request's) ever blocks the event loop."""
+        if self._tok is None:
+            return self.render_chat(messages, body)
+        deadline = time.monotonic() + self.template_timeout_s
+        return await render_off_loop(
+            lambda: self._render(messages, body, deadline), self.template_timeout_s
+        )
+
+    def _render(self, messages: list[dict[str, Any]], body: dict[str, Any], deadline: float) -> str:
+        source, kwargs = request_template_kwargs(body, trusted=self.trust_request_chat_template)
+        bounds = Bounds.for_body(len(orjson.dumps(body)), 0.0)
+        bounds.deadline = deadline
         try:
-            text = self._tok.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, **kwargs
-            )
+            template = self._template if source is None else compile_template(source)
+            if template is None:
+                raise BadRequestError("the tokenizer has no chat template", code="no_chat_template")
+            tools = body.get("tools") if isinstance(body.get("tools"), list) else None
+            variables = {
+                **self._special_map,
+                **kwargs,
+                "messages": template_messages(messages),
+                "tools": tools,
+                "documents": None,
+                "add_generation_prompt": True,
+            }
+            return render(template, variables, bounds)
+        except TemplateBoundsError:
+            raise
+        except BadRequestError:
+            raise
         except Exception as e:  # template errors are the client's: bad message shapes
             raise BadRequestError(
                 f"messages could not be rendered with the chat template: {e}"
             ) from None
-        return str(text)
 
     def check(self, route: str, body: dict[str, Any]) -> None:
         """Validate what a router needs of ``body`` without tokenizing (for policies
         that do not look at the prompt). Raises BadRequestError."""
         if route == "chat":
             _check_messages(body.get("messages"))
+            request_template_kwargs(body, trusted=self.trust_request_chat_template)
             return
+        self._prompts(route, body)
+
+    def _prompts(self, route: str, body: dict[str, Any]) -> tuple[list[Any], str]:
+        """Every prompt of a completions / generate body, validated (strings non-empty,
+        token-ID lists checked in full), and the field they came from."""
         if route == "completions":
             if "prompt" not in body:
                 raise BadRequestError("'prompt' is required")
             value, field = body["prompt"], "prompt"
         elif body.get("input_ids") is not None:
             value, field = body["input_ids"], "input_ids"
-            if isinstance(value, list) and value and isinstance(value[0], list):
-                value = value[0]
-            _token_list(value, field)
-            return
+            if not isinstance(value, list) or not value:
+                raise BadRequestError("'input_ids' must be a non-empty list of token IDs")
         elif "text" in body:
             value, field = body["text"], "text"
         else:
             raise BadRequestError("one of 'text' or 'input_ids' is required")
-        if isinstance(value, list) and value and isinstance(value[0], str | list):
-            value = value[0]
-        if isinstance(value, str):
-            if not value:
-                raise BadRequestError(f"'{field}' must not be empty")
-        elif isinstance(value, list):
-            _token_list(value, field)
-        else:
-            raise BadRequestError(
-                f"'{field}' must be a string, a list of token IDs, or a list of those"
-            )
+        prompts = _prompt_batch(value, field)
+        out: list[Any] = []
+        for p in prompts:
+            if isinstance(p, str) and field != "input_ids":
+                if not p:
+                    raise BadRequestError(f"'{field}' must not be empty")
+                out.append(p)
+            elif isinstance(p, list):
+                out.append(_token_list(p, field, self.max_token_id))
+            else:
+                raise BadRequestError(
+                    f"'{field}' must be a string, a list of token IDs, or a list of those"
+                    if field != "input_ids"
+                    else "'input_ids' must be a list of token IDs or a list of those"
+                )
+        return out, field
 
     async def tokens_for(self, route: str, body: dict[str, Any]) -> Sequence[int]:
-        """Token IDs to route ``body`` (already parsed JSON object) sent to ``route``."""
+        """Token IDs to route ``body`` (already parsed JSON object) sent to ``route``.
+        A batch routes on its first prompt; every prompt is validated."""
         if route == "chat":
             messages = _check_messages(body.get("messages"))
-            text = self.render_chat(messages, body)
+            text = await self.render_chat_async(messages, body)
             return await self.encode_text_async(text)
-        if route == "completions":
-            if "prompt" not in body:
-                raise BadRequestError("'prompt' is required")
-            return await self._prompt_tokens(body["prompt"], "prompt")
-        # /generate (SGLang): input_ids or text
-        if body.get("input_ids") is not None:
-            ids = body["input_ids"]
-            if isinstance(ids, list) and ids and isinstance(ids[0], list):
-                ids = ids[0]
-            return _token_list(ids, "input_ids")
-        if "text" in body:
-            return await self._prompt_tokens(body["text"], "text")
-        raise BadRequestError("one of 'text' or 'input_ids' is required")
-
-    async def _prompt_tokens(self, prompt: Any, field: str) -> Sequence[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise BadRequestError(f"'{field}' must not be empty")
-            return await self.encode_text_async(prompt, add_special_tokens=True)
-        if isinstance(prompt, list):
-            if not prompt:
-                raise BadRequestError(f"'{field}' must not be empty")
-            first = prompt[0]
-            if isinstance(first, str):
-                return await self._prompt_tokens(first, field)
-            if isinstance(first, list):
-                return _token_list(first, field)
-            return _token_list(prompt, field)
-        raise BadRequestError(
-            f"'{field}' must be a string, a list of token IDs, or a list of those"
-        )
+        prompts, _ = self._prompts(route, body)
+        first = prompts[0]
+        if isinstance(first, str):
+            return await self.encode_text_async(first, add_special_tokens=True)
+        ids: Sequence[int] = first
+        return ids
 
     def cache_stats(self) -> dict[str, float]:
         total = self.cache_hits + self.cache_misses
@@ -333,4 +463,5 @@ class PromptTokenizer:
             "misses": self.cache_misses,
             "hit_rate": self.cache_hits / total if total else 0.0,
             "entries": len(self._cache),
+            "bytes": self._cache_used,
         }

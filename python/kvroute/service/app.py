@@ -13,7 +13,6 @@ import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
-from urllib.parse import unquote
 
 import httpx
 import orjson
@@ -33,7 +32,9 @@ from kvroute.errors import (
     UnauthorizedError,
     error_response,
 )
+from kvroute.fleet.budget import budget_loop
 from kvroute.fleet.health import health_loop
+from kvroute.fleet.urls import path_worker_url, worker_url_refusal
 from kvroute.routing.tokenization import PromptTokenizer
 from kvroute.service.fastpath import INFERENCE_PATHS, RouterApp
 from kvroute.service.proxy import Forwarder, ProxyStream, parse_object, read_body
@@ -74,6 +75,18 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
         )
         state.forward = Forward(state.client, state.pools)
         task = asyncio.create_task(health_loop(state))
+        budget_task = None
+        if state.budget is not None:
+            budget_task = asyncio.create_task(
+                budget_loop(
+                    state.budget,
+                    state.index,
+                    lambda: state.client,
+                    lambda: list(state.registry.workers),
+                    interval=s.health_check_interval_secs,
+                    timeout_s=s.health_check_timeout_secs,
+                )
+            )
         if state.subscriber is not None:
             await asyncio.to_thread(state.subscriber.start)
         try:
@@ -81,9 +94,11 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
         finally:
             if state.subscriber is not None:
                 await asyncio.to_thread(state.subscriber.stop)
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            for t in (task, budget_task):
+                if t is not None:
+                    t.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await t
             await state.client.aclose()
 
     app = RouterApp(
@@ -122,6 +137,11 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
         if key:
             if not _key_ok(_bearer(request), key):
                 raise UnauthorizedError("admin endpoints need the admin API key")
+        elif state.settings.api_key:
+            # A router with a client key is not open to keyless admin calls, even on
+            # loopback: without --admin-api-key the client key opens them.
+            if not _key_ok(_bearer(request), state.settings.api_key):
+                raise UnauthorizedError("admin endpoints need the API key (no --admin-api-key set)")
         elif not state.settings.loopback_only:
             raise ForbiddenError(
                 "admin endpoints are disabled: set --admin-api-key to use them "
@@ -260,6 +280,9 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
             url = normalize_worker_url(obj.get("url"))  # type: ignore[arg-type]
         except ConfigError as e:
             raise BadRequestError(str(e)) from None
+        refusal = worker_url_refusal(url, state.settings.worker_url_allow)
+        if refusal is not None:
+            raise ForbiddenError(refusal, code="worker_url_not_allowed")
         kv_events = obj.get("kv_events")
         if kv_events is not None:
             await add_event_source(url, kv_events)
@@ -290,7 +313,7 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
     @app.delete("/workers/{url:path}")
     async def remove_worker(request: Request, url: str) -> Response:
         check_admin(request)
-        target = unquote(url).rstrip("/")
+        target = path_worker_url(request.scope)
         if state.registry.remove(target) is None:
             raise NotFoundError(f"no worker {target!r}")
         if state.subscriber is not None and target in state.subscriber.sources:
