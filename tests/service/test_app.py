@@ -244,7 +244,7 @@ async def test_a_request_never_retries_a_worker_that_failed_it(failing: int) -> 
 
     def handle(request: httpx.Request) -> httpx.Response:
         base = f"http://{request.url.host}:{request.url.port}"
-        if request.url.path in ("/health", "/metrics", "/get_server_info"):  # health, load, capacity
+        if request.url.path in ("/health", "/metrics", "/get_server_info"):  # not inference
             return httpx.Response(200)
         attempts.append(base)
         if urls.index(base) < failing:
