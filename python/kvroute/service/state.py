@@ -75,6 +75,7 @@ class RouterState:
                 "healthy": w.available(now),
                 "in_flight": w.in_flight,
                 "cached_tokens": self.index.cached_tokens(w.url),
+                "index_budget": self.index.worker_budget(w.url),
                 "requests_served": w.served,
                 "failures": w.failed,
                 "down_reason": w.down_reason or None,
