@@ -173,6 +173,13 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="how long an open circuit keeps the worker out",
     )
     r.add_argument(
+        "--failure-cooldown-secs",
+        type=float,
+        default=5.0,
+        help="a worker that failed a request (connection refused, reset) sits out at "
+        "least this long, even if its health endpoint still answers",
+    )
+    r.add_argument(
         "--max-concurrent-requests",
         type=int,
         default=0,
