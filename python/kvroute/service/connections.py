@@ -35,6 +35,7 @@ def _response(status: bytes, message: bytes) -> bytes:
 
 
 HEADER_TOO_LARGE = _response(b"431 Request Header Fields Too Large", b"request headers too large")
+LINGER_S = 1.0  # how long a refused connection's late input is read and dropped
 REQUEST_TIMEOUT = _response(b"408 Request Timeout", b"request not received in time")
 
 
@@ -51,6 +52,7 @@ def guarded_protocol(
             self._header_timer: asyncio.TimerHandle | None = None
             self._body_timer: asyncio.TimerHandle | None = None
             self._refused = False
+            self._linger: asyncio.TimerHandle | None = None
 
         # -------------------------------------------------------- timers
 
@@ -74,9 +76,19 @@ def guarded_protocol(
                     response = None
                 cycle.disconnected = True  # the app's sends are dropped from here on
                 cycle.message_event.set()  # and its receive() returns http.disconnect
-            if not self.transport.is_closing():
-                if response is not None:
-                    self.transport.write(response)
+            if self.transport.is_closing():
+                return
+            if response is None:
+                self.transport.close()
+                return
+            self.transport.write(response)
+            # A lingering close (as nginx's): stop sending, but read and drop what the
+            # client is still sending for a moment; closing with unread data would send
+            # a reset that can destroy the answer before the client reads it.
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+                self._linger = self.loop.call_later(LINGER_S, self.transport.close)
+            else:
                 self.transport.close()
 
         def _header_late(self) -> None:
@@ -95,6 +107,8 @@ def guarded_protocol(
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel()
+            if self._linger is not None:
+                self._linger.cancel()
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
