@@ -96,7 +96,7 @@ def test_an_idle_keep_alive_connection_is_closed(router: Server) -> None:
     assert b"connection: close" not in answer.lower()  # it was kept alive, then closed
 
 
-def test_the_router_still_serves_after_all_that(router: Server, tmp_path: Path) -> None:
+def test_the_router_still_serves_after_all_that(router: Server) -> None:
     with connect(router) as s:
         body = b'{"prompt": "hi", "max_tokens": 1}'
         s.sendall(
@@ -104,3 +104,6 @@ def test_the_router_still_serves_after_all_that(router: Server, tmp_path: Path) 
             b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
         )
         assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
+    assert router.log_path is not None
+    log = Path(router.log_path).read_text()
+    assert "Traceback" not in log and "ERROR" not in log, log[-3000:]

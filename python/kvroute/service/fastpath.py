@@ -16,7 +16,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -52,6 +52,8 @@ class RouterApp(FastAPI):
                 response = await self.inference(request, *route)
             except RouterError as e:
                 response = e.response()
+            except ClientDisconnect:
+                return  # gone before its body arrived (or timed out sending it): no one to answer
             except Exception:
                 # What FastAPI's error middleware would do, in the API's error shape.
                 log.exception("unhandled error on %s", scope["path"])
