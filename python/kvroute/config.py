@@ -174,8 +174,8 @@ class Settings:
             )
         if self.chat_template_timeout_secs <= 0:
             raise ConfigError("--chat-template-timeout-secs must be > 0")
-        if self.tokenizer_cache_bytes < 0:
-            raise ConfigError("--tokenizer-cache-bytes must be >= 0")
+        if self.tokenizer_cache_bytes < 0 or self.tokenizer_cache_size < 0:
+            raise ConfigError("--tokenizer-cache-bytes and --tokenizer-cache-size must be >= 0")
         if self.tree_size_fallback < 1 or self.max_total_tree_size < 1:
             raise ConfigError("--tree-size-fallback and --max-total-tree-size must be >= 1")
         if self.max_header_bytes < 1024:

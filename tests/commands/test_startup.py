@@ -153,6 +153,7 @@ OTHER_PROGRAMS = {
     "--check",  # cargo fmt / ruff format
     "--out",  # bench/engine/make_tiny_model.py
     "--kv-blocks",  # bench/engine/quality.py
+    "--unique-chats",  # bench/soak.py
 }
 
 

@@ -258,6 +258,13 @@ def configure(p: argparse.ArgumentParser) -> None:
         "sim-worker without --tokenizer): lets --kv-events run without --tokenizer",
     )
     u.add_argument(
+        "--tokenizer-cache-size",
+        type=int,
+        default=8192,
+        help="entries of the tokenizer's segment cache (pieces of text between special "
+        "tokens, with their IDs)",
+    )
+    u.add_argument(
         "--tokenizer-cache-bytes",
         type=int,
         default=64 * 1024 * 1024,
