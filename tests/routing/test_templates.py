@@ -158,6 +158,7 @@ BOMBS = {
     "format width": "{{ '{:>999999999}'.format(1) }}",
     "replace blow-up": "{{ ('a' * 60000)|replace('a', 'b' * 60000) }}",
     "big power": "{{ 10 ** 100000 }}",
+    "huge template": "{{ 1 }}" * 20_000,
     "binary macro recursion": "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}"
     "{% endmacro %}{{ f(40) }}",
 }

@@ -64,6 +64,7 @@ SIZE_FLOOR = 64 * 1024
 # Step bound: loop iterations, calls and reads per request body byte, plus a floor.
 STEPS_PER_BODY_BYTE = 64
 STEPS_FLOOR = 200_000
+MAX_TEMPLATE_CHARS = 64 * 1024  # a request's own template (models' are ~4-10 KB)
 _CLOCK_EVERY = 256  # steps between deadline checks (time.monotonic costs ~50 ns)
 
 _LOOP = re.compile(r"^(\s*)((?:async )?for .+? in )(.+):$", re.MULTILINE)
@@ -356,6 +357,9 @@ def request_template_kwargs(
                 raise BadRequestError(f"chat_template_kwargs: {k!r} must be a scalar")
     if template is not None and not isinstance(template, str):
         raise BadRequestError("'chat_template' must be a string")
+    if template is not None and len(template) > MAX_TEMPLATE_CHARS:
+        # Compiling is not step-counted: the template's own size bounds it.
+        raise TemplateBoundsError(f"'chat_template' is over {MAX_TEMPLATE_CHARS:,} characters")
     return template, kwargs
 
 
