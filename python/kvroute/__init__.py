@@ -12,14 +12,18 @@ it back (``tests/test_architecture.py`` checks both).
     app owns (registry, policy, index, tokenizer, client, metrics); ``proxy`` forwards a
     request, retries failures before the first byte and streams the answer back;
     ``upstream`` and ``h1pool`` are the per-worker connection pools; ``admission``
-    bounds concurrency; ``metrics`` and ``status`` are what an operator reads.
+    bounds concurrency; ``metrics`` and ``status`` are what an operator reads;
+    ``connections`` bounds client connections (header size and time, body pauses).
 ``fleet/``
     The workers as the router sees them: ``registry`` (load reservations, health state,
     circuit breaker), ``health`` (active checks, engines' load read after them),
-    ``engine_load`` (parsing engines' /metrics, learned capacities).
+    ``engine_load`` (parsing engines' /metrics, learned capacities), ``budget`` (the
+    index's per-worker budgets from the engines' reported KV capacity), ``urls``
+    (which worker URLs may be added at run time).
 ``routing/``
     How a worker is chosen: ``policies/`` (one module per policy; ``cache_aware`` is the
-    default) and ``tokenization`` (a request -> the token IDs the engine will see).
+    default), ``tokenization`` (a request -> the token IDs the engine will see) and
+    ``templates`` (chat templates rendered in a bounded sandbox, off the event loop).
 ``events/``
     Precise mode: engines' KV cache events decoded, tracked per worker and fed to a
     ``BlockIndex`` that the policy matches on.
