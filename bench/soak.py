@@ -245,6 +245,7 @@ async def drive_unique_chats(router: Server, n: int, concurrency: int) -> None:
     rng = np.random.default_rng(2)
     system = "You are a helpful assistant. Answer briefly and precisely. " * 3
     sent = ok = errors = 0
+    kinds: dict[str, int] = {}  # errors by HTTP status or exception name
     lock = asyncio.Lock()
     every = max(1, n // 10)
 
@@ -277,10 +278,12 @@ async def drive_unique_chats(router: Server, n: int, concurrency: int) -> None:
             }
             try:
                 r = await client.post(router.url + "/v1/chat/completions", json=body)
-                good = r.status_code == 200
-            except httpx.HTTPError:
-                good = False
+                good, kind = r.status_code == 200, f"HTTP {r.status_code}"
+            except httpx.HTTPError as e:
+                good, kind = False, type(e).__name__
             async with lock:
+                if not good:
+                    kinds[kind] = kinds.get(kind, 0) + 1
                 ok, errors = (ok + 1, errors) if good else (ok, errors + 1)
                 due = (ok + errors) % every == 0
             if due:
@@ -294,6 +297,7 @@ async def drive_unique_chats(router: Server, n: int, concurrency: int) -> None:
     async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
         await row(client, "0 (idle)")
         await asyncio.gather(*(one(client) for _ in range(concurrency)))
+    print(f"\nerrors by kind: {kinds or 'none'}")
 
 
 def soak_unique_chats(n: int, concurrency: int) -> None:
