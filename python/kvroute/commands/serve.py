@@ -358,7 +358,7 @@ def check_settings(settings: Settings) -> None:
 
 def build_app(settings: Settings) -> FastAPI:
     """The app, with a bad tokenizer directory or chat template as a ConfigError."""
-    from kvroute.routing.tokenization import TokenizerLoadError
+    from kvroute.routing.tokenizer_files import TokenizerLoadError
     from kvroute.service.app import create_app
 
     try:

@@ -32,11 +32,11 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-import jinja2
 import numpy
 import orjson
 
 from kvroute.errors import BadRequestError
+from kvroute.routing.prompts import MAX_TOKEN_ID, prompt_batch, token_list
 from kvroute.routing.templates import (
     Bounds,
     TemplateBoundsError,
@@ -46,6 +46,7 @@ from kvroute.routing.templates import (
     request_template_kwargs,
     template_messages,
 )
+from kvroute.routing.tokenizer_files import load_chat_template, load_tokenizer
 
 log = logging.getLogger("kvroute.routing.tokenization")
 
@@ -53,7 +54,6 @@ log = logging.getLogger("kvroute.routing.tokenization")
 # The thread hop costs ~0.3 ms of CPU here, about what encoding 1,000 characters costs;
 # past 2,048 characters (~500 tokens) keeping the loop free is worth it.
 OFFLOAD_CHARS = 2048
-MAX_TOKEN_ID = 2**32 - 1
 
 
 def default_tokenizer_dir() -> str | None:
@@ -71,46 +71,6 @@ def utf8_tokens(text: str) -> array.array[int]:
     by NumPy: 30x faster than ``array.extend`` over the bytes, ~190 µs for 8 KB)."""
     raw = numpy.frombuffer(text.encode("utf-8", "surrogatepass"), numpy.uint8)
     return array.array("I", raw.astype(numpy.uint32).tobytes())
-
-
-def _token_list(value: Any, field: str, max_id: int = MAX_TOKEN_ID) -> array.array[int]:
-    """``value`` as token IDs: a non-empty list of ints (booleans refused) in
-    [0, max_id]. Raises BadRequestError naming the first bad one."""
-    if not isinstance(value, list) or not value:
-        raise BadRequestError(f"'{field}' must be a non-empty list of token IDs")
-    # One C-speed pass over the element types: bool is an int subclass that array()
-    # would take as 0/1, so only exact ints pass.
-    if set(map(type, value)) != {int}:
-        bad = next(v for v in value if type(v) is not int)
-        raise BadRequestError(f"'{field}' must contain integer token IDs, got {bad!r}")
-    try:
-        ids = array.array("I", value)
-    except OverflowError:
-        bad = next(v for v in value if not 0 <= v <= MAX_TOKEN_ID)
-        raise BadRequestError(
-            f"'{field}' must contain token IDs in [0, {max_id}], got {bad}"
-        ) from None
-    if max_id < MAX_TOKEN_ID and max(ids) > max_id:
-        raise BadRequestError(
-            f"'{field}' holds token ID {max(ids)}, outside the tokenizer's vocabulary "
-            f"[0, {max_id}]",
-            code="token_id_out_of_vocabulary",
-        )
-    return ids
-
-
-def _prompt_batch(value: Any, field: str) -> list[Any]:
-    """The prompts of ``value``: itself, or its items when it is a batch (a list of
-    strings or of token-ID lists); every item must be of one kind."""
-    if isinstance(value, list) and value and isinstance(value[0], str | list):
-        kind = str if isinstance(value[0], str) else list
-        for i, item in enumerate(value):
-            if not isinstance(item, kind):
-                raise BadRequestError(
-                    f"'{field}'[{i}]: a batch must be all strings or all token-ID lists"
-                )
-        return list(value)
-    return [value]
 
 
 def _message_text(content: Any, index: int) -> str:
@@ -146,53 +106,6 @@ def _entry_bytes(text: str, ids: tuple[int, ...]) -> int:
     ASCII assumed), the tuple of small ints (8-byte pointers; IDs below 2**30 are
     28-byte ints, shared only up to 256) and the dict slot, as an estimate."""
     return 49 + len(text) + 56 + 36 * len(ids) + 100
-
-
-def load_tokenizer(tokenizer_dir: str) -> Any:
-    """transformers' AutoTokenizer from ``tokenizer_dir`` (offline); a directory
-    without a usable tokenizer raises TokenizerLoadError with one line saying so."""
-    files = os.listdir(tokenizer_dir)
-    known = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-    if not any(f in files for f in known):
-        raise TokenizerLoadError(
-            f"--tokenizer {tokenizer_dir!r}: no tokenizer files there "
-            f"(expected one of {', '.join(known)})"
-        )
-    for name in files:
-        path = os.path.join(tokenizer_dir, name)
-        if os.path.isfile(path) and not os.access(path, os.R_OK):
-            raise TokenizerLoadError(f"--tokenizer {tokenizer_dir!r}: cannot read {name}")
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    except Exception as e:
-        detail = " ".join(str(e).split())[:300]
-        raise TokenizerLoadError(
-            f"--tokenizer {tokenizer_dir!r}: cannot load the tokenizer: "
-            f"{type(e).__name__}: {detail}"
-        ) from None
-
-
-def load_chat_template(tok: Any, tokenizer_dir: str) -> Any:
-    """The tokenizer's chat template compiled in the bounded sandbox, or None when it
-    has none. A template that does not compile raises TokenizerLoadError."""
-    source = getattr(tok, "chat_template", None)
-    if isinstance(source, dict):  # named templates: the default one
-        source = source.get("default")
-    if not isinstance(source, str):
-        return None
-    try:
-        return compile_template(source)
-    except jinja2.TemplateSyntaxError as e:
-        raise TokenizerLoadError(
-            f"--tokenizer {tokenizer_dir!r}: the chat template does not compile: "
-            f"{e.message} (line {e.lineno})"
-        ) from None
-
-
-class TokenizerLoadError(ValueError):
-    """The tokenizer directory cannot be used; the message says why, in one line."""
 
 
 class PromptTokenizer:
@@ -425,7 +338,7 @@ class PromptTokenizer:
             value, field = body["text"], "text"
         else:
             raise BadRequestError("one of 'text' or 'input_ids' is required")
-        prompts = _prompt_batch(value, field)
+        prompts = prompt_batch(value, field)
         out: list[Any] = []
         for p in prompts:
             if isinstance(p, str) and field != "input_ids":
@@ -433,7 +346,7 @@ class PromptTokenizer:
                     raise BadRequestError(f"'{field}' must not be empty")
                 out.append(p)
             elif isinstance(p, list):
-                out.append(_token_list(p, field, self.max_token_id))
+                out.append(token_list(p, field, self.max_token_id))
             else:
                 raise BadRequestError(
                     f"'{field}' must be a string, a list of token IDs, or a list of those"
