@@ -300,7 +300,7 @@ async def drive_unique_chats(router: Server, n: int, concurrency: int) -> None:
     print(f"\nerrors by kind: {kinds or 'none'}")
 
 
-def soak_unique_chats(n: int, concurrency: int) -> None:
+def soak_unique_chats(n: int, concurrency: int, extra: list[str]) -> None:
     from kvroute.routing.tokenization import default_tokenizer_dir
 
     tokenizer = default_tokenizer_dir()
@@ -312,7 +312,7 @@ def soak_unique_chats(n: int, concurrency: int) -> None:
                 argv = [sys.executable, str(ROOT / "tests" / "fake_worker.py"), "--port", str(port)]
                 servers.append(start_server(f"fake-{port}", argv, port, log_dir=logs))
             port = free_port()
-            flags = ["--tokenizer", tokenizer] if tokenizer else []
+            flags = (["--tokenizer", tokenizer] if tokenizer else []) + extra
             argv = kvroute_argv(
                 "serve", "--port", str(port), "--worker-urls", *[s.url for s in servers], *flags
             )
@@ -320,7 +320,8 @@ def soak_unique_chats(n: int, concurrency: int) -> None:
             servers.append(router)
             print(
                 f"\n## Default budget: {n:,} unique chat prompts, {concurrency} concurrent "
-                f"clients, default flags{' + --tokenizer (Qwen3)' if tokenizer else ''}\n"
+                f"clients, default flags{' + --tokenizer (Qwen3)' if tokenizer else ''}"
+                f"{' + ' + ' '.join(extra) if extra else ''}\n"
             )
             asyncio.run(drive_unique_chats(router, n, concurrency))
         finally:
@@ -340,13 +341,16 @@ def main() -> int:
     ap.add_argument("--sample-secs", type=float, default=10.0, help="router phase: row period")
     ap.add_argument("--concurrency", type=int, default=32, help="router phase: clients")
     ap.add_argument("--unique-chats", type=int, default=0, help="part 3: requests (0 skips)")
+    ap.add_argument(
+        "--router-arg", action="append", default=[], help="part 3: one more router argument"
+    )
     args = ap.parse_args()
     if args.prompts > 0:
         soak_index(args.prompts, args.workers, args.budget, args.prompt_len)
     if args.router_seconds > 0:
         soak_router(args.router_seconds, args.budget, args.sample_secs, args.concurrency)
     if args.unique_chats > 0:
-        soak_unique_chats(args.unique_chats, args.concurrency)
+        soak_unique_chats(args.unique_chats, args.concurrency, args.router_arg)
     return 0
 
 
