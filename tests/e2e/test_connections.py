@@ -107,3 +107,31 @@ def test_the_router_still_serves_after_all_that(router: Server) -> None:
     assert router.log_path is not None
     log = Path(router.log_path).read_text()
     assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
+
+
+def test_a_big_body_waiting_for_admission_is_not_timed_out(
+    tmp_path: Path, processes: list[Server]
+) -> None:
+    """The body guard counts the client's pauses, not the router's: a 1 MB body queued
+    behind a slow request (reading paused, as the app has not read it) still gets served."""
+    import threading
+
+    import httpx
+
+    from support import control
+
+    worker = start_fake_worker(tmp_path)
+    processes.append(worker)
+    r = start_router(
+        [worker.url], tmp_path, "--max-concurrent-requests", "1", "--body-timeout-secs", "0.3",
+    )  # fmt: skip
+    processes.append(r)
+    control(worker, delay_s=1.5)
+    first = threading.Thread(
+        target=lambda: httpx.post(r.url + "/v1/completions", json={"prompt": "a"}, timeout=30)
+    )
+    first.start()
+    big = {"prompt": "b" * 1_000_000, "max_tokens": 1}
+    answer = httpx.post(r.url + "/v1/completions", json=big, timeout=30)
+    first.join(timeout=30)
+    assert answer.status_code == 200, answer.text[:300]

@@ -16,6 +16,8 @@ parser buffer megabytes of headers. ``guarded_protocol`` subclasses uvicorn's
   otherwise ``408 Request Timeout`` (or a plain close if nothing was sent).
 * body time: while a request body is still expected, each ``--body-timeout-secs``
   without a byte of it ends the request with ``408``; the app sees the client as gone.
+  Time while reading is paused (the app has not consumed what arrived, e.g. while the
+  request waits for admission) does not count.
 """
 
 from __future__ import annotations
@@ -97,6 +99,11 @@ def guarded_protocol(
 
         def _body_late(self) -> None:
             self._body_timer = None
+            if self.flow is not None and self.flow.read_paused:
+                # The app has not read what it has (queued for admission): the pause is
+                # the router's, not the client's.
+                self._body_timer = self.loop.call_later(body_timeout_s, self._body_late)
+                return
             self._refuse(REQUEST_TIMEOUT)
 
         # -------------------------------------------------------- protocol
