@@ -12,8 +12,16 @@ connections towards the workers and from clients (from /proc), its asyncio task 
 (the ``kvroute_asyncio_tasks`` gauge) and the workers' in-flight counts; then once more
 when the load ends and after 15 idle seconds, which must be back at the idle row's level.
 
+Part 3 (default budget, ``--unique-chats N``): the router with default flags (no
+``--max-tree-size``; the index budget is the documented fallback, the tokenizer's segment
+cache its default byte bound) and ``--tokenizer`` when the Qwen3 tokenizer is installed,
+fed N unique ~1,000-character chat prompts; a row every N/10 requests with the router's
+RSS, the largest worker's cached tokens against its budget, and the segment cache's
+size. RSS must level off once the budgets are reached.
+
 Usage: python bench/soak.py [--prompts 1000000] [--router-seconds 60] [--sample-secs 10]
-(``--prompts 0`` skips part 1)
+       [--unique-chats 200000]
+(``--prompts 0`` skips part 1, ``--router-seconds 0`` part 2)
 """
 
 from __future__ import annotations
@@ -233,6 +241,94 @@ def soak_router(seconds: float, budget: int, every: float, concurrency: int) -> 
                 s.stop()
 
 
+async def drive_unique_chats(router: Server, n: int, concurrency: int) -> None:
+    rng = np.random.default_rng(2)
+    system = "You are a helpful assistant. Answer briefly and precisely. " * 3
+    sent = ok = errors = 0
+    kinds: dict[str, int] = {}  # errors by HTTP status or exception name
+    lock = asyncio.Lock()
+    every = max(1, n // 10)
+
+    async def row(client: httpx.AsyncClient, label: str) -> None:
+        ws = (await client.get(router.url + "/workers")).json()
+        worst = max(ws, key=lambda w: w["cached_tokens"])
+        tok = (await client.get(router.url + "/metrics")).text
+        print(
+            f"| {label} | {ok:,} | {errors} | {rss_mb(router.pid):.0f} | "
+            f"{worst['cached_tokens']:,} | {worst['index_budget']:,} | "
+            f"{gauge(tok, 'kvroute_tokenizer_cache_bytes') / 2**20:.1f} |",
+            flush=True,
+        )
+
+    async def one(client: httpx.AsyncClient) -> None:
+        nonlocal sent, ok, errors
+        while True:
+            async with lock:
+                if sent >= n:
+                    return
+                i = sent
+                sent += 1
+            words = " ".join(map(str, rng.integers(0, 10**6, 140)))  # ~1,000 characters
+            body = {
+                "messages": [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": f"Question {i}: {words}"},
+                ],
+                "max_tokens": 4,
+            }
+            try:
+                r = await client.post(router.url + "/v1/chat/completions", json=body)
+                good, kind = r.status_code == 200, f"HTTP {r.status_code}"
+            except httpx.HTTPError as e:
+                good, kind = False, type(e).__name__
+            async with lock:
+                if not good:
+                    kinds[kind] = kinds.get(kind, 0) + 1
+                ok, errors = (ok + 1, errors) if good else (ok, errors + 1)
+                due = (ok + errors) % every == 0
+            if due:
+                await row(client, f"{ok + errors:,}")
+
+    print(
+        "| requests | ok | errors | router RSS (MB) | cached tokens (max worker) | "
+        "its index budget | segment cache (MB) |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
+        await row(client, "0 (idle)")
+        await asyncio.gather(*(one(client) for _ in range(concurrency)))
+    print(f"\nerrors by kind: {kinds or 'none'}")
+
+
+def soak_unique_chats(n: int, concurrency: int, extra: list[str]) -> None:
+    from kvroute.routing.tokenization import default_tokenizer_dir
+
+    tokenizer = default_tokenizer_dir()
+    servers: list[Server] = []
+    with tempfile.TemporaryDirectory() as logs:
+        try:
+            for _ in range(2):
+                port = free_port()
+                argv = [sys.executable, str(ROOT / "tests" / "fake_worker.py"), "--port", str(port)]
+                servers.append(start_server(f"fake-{port}", argv, port, log_dir=logs))
+            port = free_port()
+            flags = (["--tokenizer", tokenizer] if tokenizer else []) + extra
+            argv = kvroute_argv(
+                "serve", "--port", str(port), "--worker-urls", *[s.url for s in servers], *flags
+            )
+            router = start_server("router", argv, port, log_dir=logs, timeout_s=60)
+            servers.append(router)
+            print(
+                f"\n## Default budget: {n:,} unique chat prompts, {concurrency} concurrent "
+                f"clients, default flags{' + --tokenizer (Qwen3)' if tokenizer else ''}"
+                f"{' + ' + ' '.join(extra) if extra else ''}\n"
+            )
+            asyncio.run(drive_unique_chats(router, n, concurrency))
+        finally:
+            for s in reversed(servers):
+                s.stop()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -244,10 +340,17 @@ def main() -> int:
     ap.add_argument("--router-seconds", type=float, default=60.0)
     ap.add_argument("--sample-secs", type=float, default=10.0, help="router phase: row period")
     ap.add_argument("--concurrency", type=int, default=32, help="router phase: clients")
+    ap.add_argument("--unique-chats", type=int, default=0, help="part 3: requests (0 skips)")
+    ap.add_argument(
+        "--router-arg", action="append", default=[], help="part 3: one more router argument"
+    )
     args = ap.parse_args()
     if args.prompts > 0:
         soak_index(args.prompts, args.workers, args.budget, args.prompt_len)
-    soak_router(args.router_seconds, args.budget, args.sample_secs, args.concurrency)
+    if args.router_seconds > 0:
+        soak_router(args.router_seconds, args.budget, args.sample_secs, args.concurrency)
+    if args.unique_chats > 0:
+        soak_unique_chats(args.unique_chats, args.concurrency, args.router_arg)
     return 0
 
 

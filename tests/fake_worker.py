@@ -6,6 +6,10 @@ score, rerank, audio..., a small JSON answer naming the worker, the path and the
 SHA-256), streams SSE chunk by chunk, and can be told to misbehave through
 ``POST /control`` {"mode": "ok" | "error" | "hang" | "garbage" | "truncate" | "die_mid_stream",
 "status": int, "delay_s": float}.
+
+``--kv-blocks N`` makes ``/metrics`` report a KV capacity the way vLLM does (the labels
+of ``vllm:cache_config_info``, block size 16); ``--max-total-tokens N`` makes
+``/get_server_info`` report one the way SGLang does. Without them both answer 404.
 """
 
 from __future__ import annotations
@@ -156,6 +160,30 @@ async def models(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
 
 
+# Recorded shape of vLLM's cache config gauge (v0.11, CPU backend), blocks filled in.
+VLLM_CACHE_CONFIG = (
+    'vllm:cache_config_info{block_size="16",cache_dtype="auto",calculate_kv_scales="False",'
+    'cpu_offload_gb="0",enable_prefix_caching="True",gpu_memory_utilization="0.9",'
+    'is_attention_free="False",num_cpu_blocks="None",num_gpu_blocks="%d",'
+    'num_gpu_blocks_override="None",prefix_caching_hash_algo="builtin",sliding_window="None",'
+    'swap_space="4",swap_space_bytes="4294967296"} 1.0\n'
+)
+
+
+async def metrics(request: Request) -> Response:
+    if not STATE.get("kv_blocks"):
+        return Response(status_code=404)
+    text = "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+    text += "# TYPE vllm:cache_config_info gauge\n" + VLLM_CACHE_CONFIG % STATE["kv_blocks"]
+    return Response(text, media_type="text/plain; version=0.0.4")
+
+
+async def server_info(request: Request) -> Response:
+    if not STATE.get("max_total_tokens"):
+        return Response(status_code=404)
+    return JSONResponse({"max_total_num_tokens": STATE["max_total_tokens"], "page_size": 1})
+
+
 async def flush(request: Request) -> Response:
     STATE["flushed"] = STATE.get("flushed", 0) + 1
     return JSONResponse({"ok": True})
@@ -173,13 +201,18 @@ app = Starlette(
         Route("/health", health),
         Route("/v1/models", models),
         Route("/flush_cache", flush, methods=["POST"]),
+        Route("/metrics", metrics),
+        Route("/get_server_info", server_info),
     ]
 )
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--kv-blocks", type=int, default=0)
+    ap.add_argument("--max-total-tokens", type=int, default=0)
     args = ap.parse_args()
+    STATE["kv_blocks"], STATE["max_total_tokens"] = args.kv_blocks, args.max_total_tokens
     STATE["name"] = f"127.0.0.1:{args.port}"
     uvicorn.run(
         app, host="127.0.0.1", port=args.port, log_level="warning", loop="uvloop", http="httptools"

@@ -13,11 +13,11 @@ from kvroute.eval.procs import Server, free_port, kvroute_argv, start_server
 TESTS = Path(__file__).resolve().parent
 
 
-def start_fake_worker(log_dir: Path) -> Server:
+def start_fake_worker(log_dir: Path, *flags: str) -> Server:
     port = free_port()
     return start_server(
         f"fake-{port}",
-        [sys.executable, str(TESTS / "fake_worker.py"), "--port", str(port)],
+        [sys.executable, str(TESTS / "fake_worker.py"), "--port", str(port), *flags],
         port,
         log_dir=str(log_dir),
     )

@@ -16,17 +16,22 @@ it back (``tests/test_architecture.py`` checks both).
     the routes with no prefix to follow by least load;
     ``upstream`` and ``h1pool`` are the per-worker connection pools; ``admission``
     bounds concurrency and ``limits`` connections; ``openapi`` is the schema;
-    ``metrics`` and ``status`` are what an operator reads.
+    ``metrics`` and ``status`` are what an operator reads;
+    ``connections`` bounds client connections (header size and time, body pauses).
 ``fleet/``
     The workers as the router sees them: ``registry`` (load reservations, health state,
     circuit breaker), ``health`` (active checks, engines' load read after them),
     ``engine_load`` (parsing engines' /metrics, learned capacities), ``discovery``
-    (DNS / Kubernetes sources, ``reconcile``: new workers join, vanished ones drain).
+    (DNS / Kubernetes sources, ``reconcile``: new workers join, vanished ones drain),
+    ``budget`` (the index's per-worker budgets from the engines' reported KV capacity),
+    ``urls`` (which worker URLs may be added at run time), ``models`` (what each
+    worker serves, cache partitions).
 ``routing/``
     How a worker is chosen: ``policies/`` (one module per policy; ``cache_aware`` is the
     default), ``load`` (the work model: prefill and decode in flight per worker, learned
     speeds, predicted time to first token; shared with the simulator) and
-    ``tokenization`` (a request -> the token IDs the engine will see).
+    ``tokenization`` (a request -> the token IDs the engine will see) and ``templates``
+    (chat templates rendered in a bounded sandbox, off the event loop).
 ``events/``
     Precise mode: engines' KV cache events decoded, tracked per worker and fed to a
     ``BlockIndex`` that the policy matches on.

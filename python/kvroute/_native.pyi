@@ -69,6 +69,15 @@ class PrefixIndex:
     def cached_tokens(self, worker: str) -> int:
         """Tokens ``worker`` is predicted to hold (0 for an unknown worker)."""
 
+    def set_worker_budget(self, worker: str, max_tokens: int | None) -> int:
+        """Give ``worker`` its own budget (None: back to the index's), registering it
+        if unknown; evicts its least recently used tokens down to it at once and
+        returns how many were evicted. Raises like the constructor on a bad budget."""
+
+    def worker_budget(self, worker: str) -> int | None:
+        """The budget that applies to ``worker``: its own, else the index's (None:
+        unbounded)."""
+
     def workers(self) -> list[str]:
         """Known workers, in registration order."""
 

@@ -163,6 +163,19 @@ class Settings:
     record: str | None = None
     record_max_bytes: int = 100 * 2**20
     record_max_files: int = 5
+    # Untrusted requests (docs/security.md): request chat templates, render bounds,
+    # token-ID prompts, index memory, connection limits, run-time worker URLs.
+    trust_request_chat_template: bool = False
+    chat_template_timeout_secs: float = 2.0
+    tokenizer_cache_bytes: int = 64 * 1024 * 1024
+    token_id_prompts: bool = False
+    tree_size_fallback: int = 4_000_000
+    max_total_tree_size: int = 64_000_000
+    max_header_bytes: int = 64 * 1024
+    header_timeout_secs: float = 10.0
+    body_timeout_secs: float = 30.0
+    keep_alive_timeout_secs: float = 5.0
+    worker_url_allow: list[str] = field(default_factory=list)
 
     def validate(self) -> Settings:
         self.worker_urls = [normalize_worker_url(u) for u in self.worker_urls]
@@ -185,6 +198,8 @@ class Settings:
             raise ConfigError(f"--port must be in 1..65535, got {self.port}")
         if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
             raise ConfigError(f"--tokenizer {self.tokenizer!r}: no such directory")
+        if self.tokenizer is not None and not os.access(self.tokenizer, os.R_OK | os.X_OK):
+            raise ConfigError(f"--tokenizer {self.tokenizer!r}: directory not readable")
         for name in (
             "request_timeout_secs",
             "first_byte_timeout_secs",
@@ -236,6 +251,23 @@ class Settings:
         self.worker_models = [f"{u}={','.join(m)}" for u, m in fixed.items()]
         if self.default_model is not None and not self.default_model.strip():
             raise ConfigError("--default-model must not be empty")
+        if self.kv_events and self.tokenizer is None and not self.token_id_prompts:
+            raise ConfigError(
+                "--kv-events needs --tokenizer: the engines' KV events carry token IDs, "
+                "so prompts must be tokenized as the engine does (or pass "
+                "--token-id-prompts if clients send prompts as token IDs)"
+            )
+        if self.chat_template_timeout_secs <= 0:
+            raise ConfigError("--chat-template-timeout-secs must be > 0")
+        if self.tokenizer_cache_bytes < 0 or self.tokenizer_cache_size < 0:
+            raise ConfigError("--tokenizer-cache-bytes and --tokenizer-cache-size must be >= 0")
+        if self.tree_size_fallback < 1 or self.max_total_tree_size < 1:
+            raise ConfigError("--tree-size-fallback and --max-total-tree-size must be >= 1")
+        if self.max_header_bytes < 1024:
+            raise ConfigError("--max-header-bytes must be at least 1024")
+        for name in ("header_timeout_secs", "body_timeout_secs", "keep_alive_timeout_secs"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
         if self.log_level.lower() not in ("debug", "info", "warning", "warn", "error", "critical"):
             raise ConfigError(f"unknown --log-level {self.log_level!r}")
         if self.log_format not in ("text", "json"):
@@ -278,3 +310,39 @@ class Settings:
     @property
     def loopback_only(self) -> bool:
         return self.host in ("127.0.0.1", "localhost", "::1")
+
+
+# Secrets: each of these may come from its flag, from a file (``--api-key-file``) or from
+# an environment variable; the flag wins, then the file, then the variable.
+SECRETS = {
+    "api_key": "KVROUTE_API_KEY",
+    "admin_api_key": "KVROUTE_ADMIN_API_KEY",
+    "worker_api_key": "KVROUTE_WORKER_API_KEY",
+}
+
+
+def resolve_secret(
+    name: str, value: str | None, path: str | None, environ: dict[str, str] | None = None
+) -> str | None:
+    """One secret from its flag value, file or environment variable (see SECRETS).
+    Raises ConfigError, never with the secret in the message."""
+    flag = "--" + name.replace("_", "-")
+    if value is not None and path is not None:
+        raise ConfigError(f"give {flag} or {flag}-file, not both")
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                value = f.read().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
+            raise ConfigError(f"{flag}-file {path!r}: cannot read it ({reason})") from None
+        if not value:
+            raise ConfigError(f"{flag}-file {path!r} is empty")
+        return value
+    if value is not None:
+        if not value.strip():
+            raise ConfigError(f"{flag} is empty")
+        return value
+    env = os.environ if environ is None else environ
+    from_env = env.get(SECRETS[name], "").strip()
+    return from_env or None

@@ -113,6 +113,27 @@ impl PyPrefixIndex {
     }
 }
 
+/// A token budget from Python: a non-negative int (bool refused).
+fn budget_arg(v: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
+    if v.is_instance_of::<pyo3::types::PyBool>() {
+        return Err(PyTypeError::new_err(format!(
+            "{what} must be an int or None, not bool"
+        )));
+    }
+    let n: i128 = v.extract().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "{what} must be an int or None, not {}",
+            type_name(v)
+        ))
+    })?;
+    if n < 0 || n > u64::MAX as i128 {
+        return Err(PyValueError::new_err(format!(
+            "{what} must be >= 0, got {n}"
+        )));
+    }
+    Ok(n as u64)
+}
+
 #[pymethods]
 impl PyPrefixIndex {
     #[new]
@@ -121,25 +142,7 @@ impl PyPrefixIndex {
         let budget = match max_tokens_per_worker {
             None => None,
             Some(v) if v.is_none() => None,
-            Some(v) => {
-                if v.is_instance_of::<pyo3::types::PyBool>() {
-                    return Err(PyTypeError::new_err(
-                        "max_tokens_per_worker must be an int or None, not bool",
-                    ));
-                }
-                let n: i128 = v.extract().map_err(|_| {
-                    PyTypeError::new_err(format!(
-                        "max_tokens_per_worker must be an int or None, not {}",
-                        type_name(v)
-                    ))
-                })?;
-                if n < 0 || n > u64::MAX as i128 {
-                    return Err(PyValueError::new_err(format!(
-                        "max_tokens_per_worker must be >= 0, got {n}"
-                    )));
-                }
-                Some(n as u64)
-            }
+            Some(v) => Some(budget_arg(v, "max_tokens_per_worker")?),
         };
         Ok(PyPrefixIndex {
             inner: RwLock::new(PrefixIndex::new(budget)),
@@ -225,6 +228,27 @@ impl PyPrefixIndex {
     /// Register a worker with nothing cached (no-op if known).
     fn add_worker(&self, worker: &str) {
         self.inner.write().add_worker(worker);
+    }
+
+    /// Give `worker` its own budget (None: the index's); evicts down to it at once.
+    #[pyo3(signature = (worker, max_tokens))]
+    fn set_worker_budget(
+        &self,
+        py: Python<'_>,
+        worker: &str,
+        max_tokens: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<u64> {
+        let budget = match max_tokens {
+            None => None,
+            Some(v) if v.is_none() => None,
+            Some(v) => Some(budget_arg(v, "max_tokens")?),
+        };
+        Ok(py.detach(|| self.inner.write().set_worker_budget(worker, budget)))
+    }
+
+    /// The budget that applies to `worker`: its own, else the index's (None: unbounded).
+    fn worker_budget(&self, worker: &str) -> Option<u64> {
+        self.inner.read().worker_budget(worker)
     }
 
     /// Tokens the worker is predicted to hold (0 if unknown).

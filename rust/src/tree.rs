@@ -74,6 +74,8 @@ struct WorkerState {
     cached: u64,
     held_nodes: u64,
     lru: LruQueue,
+    /// This worker's own budget (from what its engine reports); overrides the index's.
+    budget: Option<u64>,
 }
 
 /// Counters reported by [`PrefixIndex::stats`].
@@ -179,6 +181,7 @@ impl PrefixIndex {
             cached: 0,
             held_nodes: 0,
             lru: LruQueue::default(),
+            budget: None,
         };
         let id = match self.free_workers.pop() {
             Some(id) => {
@@ -221,6 +224,22 @@ impl PrefixIndex {
     /// Register a worker with nothing cached (no-op if known).
     pub fn add_worker(&mut self, worker: &str) {
         self.intern(worker);
+    }
+
+    /// Give `worker` its own budget (None: back to the index's), registering it if
+    /// unknown, and evict at once down to it. Returns the tokens evicted.
+    pub fn set_worker_budget(&mut self, worker: &str, budget: Option<u64>) -> u64 {
+        let wid = self.intern(worker);
+        self.ws(wid).budget = budget;
+        self.enforce_budget(wid)
+    }
+
+    /// The budget that applies to `worker`: its own, else the index's.
+    pub fn worker_budget(&self, worker: &str) -> Option<u64> {
+        self.worker_id(worker)
+            .and_then(|id| self.workers[id as usize].as_ref())
+            .and_then(|w| w.budget)
+            .or(self.budget)
     }
 
     // ------------------------------------------------------------------- nodes
@@ -451,7 +470,10 @@ impl PrefixIndex {
     }
 
     fn enforce_budget(&mut self, wid: u32) -> u64 {
-        let Some(budget) = self.budget else { return 0 };
+        let own = self.workers[wid as usize].as_ref().expect("live").budget;
+        let Some(budget) = own.or(self.budget) else {
+            return 0;
+        };
         let mut evicted = 0u64;
         loop {
             let cached = self.workers[wid as usize].as_ref().expect("live").cached;
@@ -696,7 +718,7 @@ impl PrefixIndex {
         for (id, w) in self.workers.iter().enumerate() {
             if let Some(w) = w {
                 assert_eq!(w.cached, cached[id], "cached tokens of {}", w.name);
-                if let Some(b) = self.budget {
+                if let Some(b) = w.budget.or(self.budget) {
                     assert!(w.cached <= b, "{} over budget", w.name);
                 }
             }

@@ -337,3 +337,29 @@ fn rollback_of_random_inserts_keeps_invariants() {
         idx.check_invariants();
     }
 }
+
+#[test]
+fn a_worker_budget_overrides_the_index_budget() {
+    let mut idx = PrefixIndex::new(Some(100));
+    let long: Vec<u32> = (0..80).collect();
+    idx.insert("a", &long);
+    idx.insert("b", &long);
+    // Shrinking one worker's budget evicts at once, and only from that worker.
+    assert_eq!(idx.set_worker_budget("a", Some(30)), 50);
+    assert_eq!(idx.cached_tokens("a"), 30);
+    assert_eq!(idx.cached_tokens("b"), 80);
+    assert_eq!(idx.worker_budget("a"), Some(30));
+    assert_eq!(idx.worker_budget("b"), Some(100));
+    let longer: Vec<u32> = (1000..1090).collect();
+    idx.insert("a", &longer);
+    assert!(idx.cached_tokens("a") <= 30);
+    // A larger own budget lifts the index's for that worker.
+    idx.set_worker_budget("b", Some(500));
+    idx.insert("b", &longer);
+    assert_eq!(idx.cached_tokens("b"), 170);
+    idx.check_invariants();
+    // Back to the index's budget.
+    assert_eq!(idx.set_worker_budget("b", None), 70);
+    assert_eq!(idx.worker_budget("unknown"), Some(100));
+    idx.check_invariants();
+}

@@ -32,6 +32,7 @@ def _exposed_series(tmp_path: Path) -> set[str]:
         worker_capacity=4,
         kv_events=[f"{WORKER}=tcp://127.0.0.1:9"],
         record=str(tmp_path / "trace.jsonl"),
+        token_id_prompts=True,
     ).validate()
     state = build_state(settings)
     state.subscriber.start()

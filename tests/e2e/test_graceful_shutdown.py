@@ -147,7 +147,13 @@ def test_idle_router_with_kv_events_exits_within_grace(
     processes.append(worker)
     events = f"{worker.url}=tcp://127.0.0.1:{free_port()};bind"
     router = start_router(
-        [worker.url], tmp_path, "--shutdown-grace-secs", "10", "--kv-events", events
+        [worker.url],
+        tmp_path,
+        "--shutdown-grace-secs",
+        "10",
+        "--kv-events",
+        events,
+        "--token-id-prompts",
     )
     processes.append(router)
     assert httpx.post(router.url + "/v1/completions", json={"prompt": "x"}).status_code == 200

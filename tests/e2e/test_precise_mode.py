@@ -58,7 +58,7 @@ def test_router_follows_engine_events(tmp_path: Path, processes: list[Server]) -
         processes.append(w)
         workers.append(w)
     rport = free_port()
-    flags = []
+    flags = ["--token-id-prompts"]  # the sim workers' tokens are UTF-8 bytes
     for i, w in enumerate(workers):
         flags += ["--kv-events", f"{w.url}={endpoint};bind;topic=kv@{i}"]
     router = start_server(

@@ -235,6 +235,7 @@ def test_router_stops_sending_a_prefix_where_it_was_evicted(fleet: Fleet) -> Non
         fleet.specs[0],
         "--kv-events",
         fleet.specs[1],
+        "--token-id-prompts",
     )
     logs = tempfile.mkdtemp(prefix="kvroute-router-")
     router = start_server("router", argv, port, timeout_s=60, log_dir=logs)

@@ -72,7 +72,11 @@ async def test_bad_input_gets_openai_4xx(router: Any, path: str, body: bytes, me
     err = r.json()["error"]
     assert message in err["message"]
     assert err["type"] == "invalid_request_error" and err["code"]
-    inference = [c for c in calls if c.url.path not in ("/health", "/metrics", "/v1/models")]
+    inference = [
+        c
+        for c in calls
+        if c.url.path not in ("/health", "/metrics", "/v1/models", "/get_server_info")
+    ]
     assert not inference, "nothing reached a worker"
     assert state.registry.workers[WORKER].in_flight == 0
 
@@ -244,7 +248,12 @@ async def test_a_request_never_retries_a_worker_that_failed_it(failing: int) -> 
 
     def handle(request: httpx.Request) -> httpx.Response:
         base = f"http://{request.url.host}:{request.url.port}"
-        if request.url.path in ("/health", "/metrics", "/v1/models"):  # health round
+        if request.url.path in (
+            "/health",
+            "/metrics",
+            "/v1/models",
+            "/get_server_info",
+        ):  # health round
             return httpx.Response(200)
         attempts.append(base)
         if urls.index(base) < failing:

@@ -25,7 +25,7 @@ async def run(
 
     def handle(request: httpx.Request) -> httpx.Response:
         base = f"http://{request.url.host}:{request.url.port}"
-        if request.url.path in ("/health", "/metrics"):
+        if request.url.path in ("/health", "/metrics", "/v1/models", "/get_server_info"):
             return httpx.Response(200)
         hits.append(base)
         return answer(base, request)
@@ -96,7 +96,7 @@ async def test_refused_prompt_is_rolled_back_from_the_index() -> None:
     hits: list[str] = []
 
     def handle(request: httpx.Request) -> httpx.Response:
-        if request.url.path in ("/health", "/metrics"):
+        if request.url.path in ("/health", "/metrics", "/v1/models", "/get_server_info"):
             return httpx.Response(200)
         hits.append(str(request.url))
         return answer("", request)

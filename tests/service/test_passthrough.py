@@ -34,8 +34,14 @@ PASSTHROUGH = [
 Handler = Callable[[httpx.Request], httpx.Response]
 
 
+# What the router reads from workers on its own (health checks, models, KV capacity).
+CHECKS = ("/health", "/metrics", "/v1/models", "/get_server_info")
+
+
 def echo(calls: list[httpx.Request]) -> Handler:
     def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path in CHECKS:
+            return httpx.Response(404)  # nothing known: every worker serves any model
         calls.append(request)
         worker = f"{request.url.scheme}://{request.url.netloc.decode()}"
         if request.url.path == "/v1/responses":

@@ -59,7 +59,7 @@ def _snapshot() -> dict[str, Any]:
     return {
         "workers": [worker],
         "index": {"nodes": 0, "memory_bytes": 0, "evicted_tokens": 0},
-        "tokenizer": {"hits": 0, "misses": 0},
+        "tokenizer": {"hits": 0, "misses": 0, "bytes": 0},
         "asyncio_tasks": 0,
     }
 

@@ -9,7 +9,14 @@ import sys
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from kvroute.config import DISCOVERY_MODES, ConfigError, Settings, parse_worker_capacity
+from kvroute.config import (
+    DISCOVERY_MODES,
+    SECRETS,
+    ConfigError,
+    Settings,
+    parse_worker_capacity,
+    resolve_secret,
+)
 from kvroute.routing.policies import POLICY_NAMES
 
 if TYPE_CHECKING:
@@ -283,6 +290,13 @@ def configure(p: argparse.ArgumentParser) -> None:
         "(same prompt tokens) are refused this long (0: off)",
     )
     r.add_argument(
+        "--failure-cooldown-secs",
+        type=float,
+        default=5.0,
+        help="a worker that failed a request (connection refused, reset) sits out at "
+        "least this long, even if its health endpoint still answers",
+    )
+    r.add_argument(
         "--max-concurrent-requests",
         type=int,
         default=0,
@@ -333,18 +347,117 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="files kept in all, FILE included (the oldest is deleted)",
     )
     s = p.add_argument_group("security and logs")
-    s.add_argument("--api-key", default=None, help="clients must send 'Authorization: Bearer KEY'")
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help="clients must send 'Authorization: Bearer KEY' (also from --api-key-file "
+        "or KVROUTE_API_KEY, which keep it out of the process list)",
+    )
     s.add_argument(
         "--admin-api-key",
         default=None,
-        help="key for POST/DELETE /workers and /flush_cache (without it those "
-        "are only open when listening on loopback)",
+        help="key for POST/DELETE /workers and /flush_cache (also from "
+        "--admin-api-key-file or KVROUTE_ADMIN_API_KEY). Without it they take the "
+        "--api-key when one is set, else are open on loopback only",
     )
     s.add_argument(
         "--worker-api-key",
         default=None,
-        help="Bearer key sent to workers (default: forward the client's "
-        "Authorization when no --api-key is set)",
+        help="Bearer key sent to workers (also from --worker-api-key-file or "
+        "KVROUTE_WORKER_API_KEY; default: forward the client's Authorization when no "
+        "--api-key is set)",
+    )
+    for name in ("api-key", "admin-api-key", "worker-api-key"):
+        s.add_argument(
+            f"--{name}-file",
+            default=None,
+            metavar="PATH",
+            help=f"read --{name} from this file (surrounding whitespace stripped)",
+        )
+    u = p.add_argument_group("untrusted requests (docs/security.md)")
+    u.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a chat template (and any chat_template_kwargs) from requests, as "
+        "vLLM's flag of the same name; without it such requests get 400 and only "
+        "enable_thinking, thinking and reasoning_effort may be set. Every render is "
+        "sandboxed and bounded either way",
+    )
+    u.add_argument(
+        "--chat-template-timeout-secs",
+        type=float,
+        default=2.0,
+        help="longest a chat template render may take (400 past it); renders run off "
+        "the event loop, also bounded in steps and output size by the body's size",
+    )
+    u.add_argument(
+        "--token-id-prompts",
+        action="store_true",
+        help="clients send prompts as the engines' token IDs (input_ids, token-list "
+        "prompts), or the engines' tokens are the prompts' UTF-8 bytes (kvroute "
+        "sim-worker without --tokenizer): lets --kv-events run without --tokenizer",
+    )
+    u.add_argument(
+        "--tokenizer-cache-size",
+        type=int,
+        default=8192,
+        help="entries of the tokenizer's segment cache (pieces of text between special "
+        "tokens, with their IDs)",
+    )
+    u.add_argument(
+        "--tokenizer-cache-bytes",
+        type=int,
+        default=64 * 1024 * 1024,
+        help="memory bound of the tokenizer's segment cache (text and IDs)",
+    )
+    u.add_argument(
+        "--tree-size-fallback",
+        type=int,
+        default=4_000_000,
+        metavar="TOKENS",
+        help="index budget of a worker whose engine reports no KV capacity (vLLM "
+        "cache_config_info, SGLang max_total_num_tokens); x4 when routing on bytes",
+    )
+    u.add_argument(
+        "--max-total-tree-size",
+        type=int,
+        default=64_000_000,
+        metavar="ENTRIES",
+        help="process-wide cap of the index (all workers; ~5.3 bytes each): a worker's "
+        "budget is at most its equal share",
+    )
+    u.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=64 * 1024,
+        help="request line + headers larger than this get 431",
+    )
+    u.add_argument(
+        "--header-timeout-secs",
+        type=float,
+        default=10.0,
+        help="a request's headers must arrive within this (408 / close past it)",
+    )
+    u.add_argument(
+        "--body-timeout-secs",
+        type=float,
+        default=30.0,
+        help="longest pause in a request body still expected (408 past it)",
+    )
+    u.add_argument(
+        "--keep-alive-timeout-secs",
+        type=float,
+        default=5.0,
+        help="idle client connections are closed after this",
+    )
+    u.add_argument(
+        "--worker-url-allow",
+        action="append",
+        default=[],
+        metavar="CIDR|HOSTGLOB",
+        help="workers added at run time (POST /workers) must match one of these "
+        "(10.0.0.0/8, *.svc.cluster.local); without any, all but link-local addresses "
+        "(169.254.169.254, the cloud metadata service) are accepted",
     )
     s.add_argument(
         "--log-level",
@@ -392,10 +505,42 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     values["worker_capacity"], values["learn_capacity"] = parse_worker_capacity(
         args.worker_capacity
     )
+    for name in SECRETS:
+        values[name] = resolve_secret(name, values.get(name), getattr(args, f"{name}_file", None))
     return Settings(**values).validate()
 
 
+def check_settings(settings: Settings) -> None:
+    """Start-up checks that need more than the settings themselves. Raises ConfigError."""
+    if settings.kv_events:
+        from kvroute.events import KvEventsSpecError, parse_kv_events
+
+        try:
+            parse_kv_events(settings.kv_events)
+        except KvEventsSpecError as e:
+            raise ConfigError(str(e)) from None
+    from kvroute.fleet.urls import parse_allow_pattern
+
+    for pattern in settings.worker_url_allow:
+        try:
+            parse_allow_pattern(pattern)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+def build_app(settings: Settings) -> FastAPI:
+    """The app, with a bad tokenizer directory or chat template as a ConfigError."""
+    from kvroute.routing.tokenizer_files import TokenizerLoadError
+    from kvroute.service.app import create_app
+
+    try:
+        return create_app(settings)
+    except TokenizerLoadError as e:
+        raise ConfigError(str(e)) from None
+
+
 def run(args: argparse.Namespace) -> int:
+    # Every bad setting is one line on stderr and exit status 2, never a traceback.
     from kvroute.commands.config_file import Layered, command_argv
 
     layered = None
@@ -403,13 +548,7 @@ def run(args: argparse.Namespace) -> int:
         layered = Layered(configure, args, command_argv(sys.argv[1:]), dict(os.environ))
         args = layered.namespace(args)
         settings = settings_from_args(args)
-        if settings.kv_events:
-            from kvroute.events import KvEventsSpecError, parse_kv_events
-
-            try:
-                parse_kv_events(settings.kv_events)
-            except KvEventsSpecError as e:
-                raise ConfigError(str(e)) from None
+        check_settings(settings)
     except ConfigError as e:
         message = layered.blame(str(e)) if layered is not None else str(e)
         print(f"kvroute serve: error: {message}", file=sys.stderr)
@@ -421,7 +560,11 @@ def run(args: argparse.Namespace) -> int:
 
     setup_logging(settings.log_level, settings.log_format)
     log = logging.getLogger("kvroute")
-    from kvroute.service.app import create_app
+    try:
+        app = build_app(settings)
+    except ConfigError as e:
+        print(f"kvroute serve: error: {e}", file=sys.stderr)
+        return 2
     from kvroute.service.limits import default_max_connections, raise_open_file_limit
 
     open_files = raise_open_file_limit()
@@ -432,8 +575,6 @@ def run(args: argparse.Namespace) -> int:
         open_files,
         settings.max_connections,
     )
-
-    app = create_app(settings)
     state = app.state.router
     if state.tokenizer.uses_bytes:
         log.warning(
@@ -457,6 +598,7 @@ def serve(app: FastAPI, settings: Settings) -> None:
     import uvicorn
 
     from kvroute.commands._logs import uvicorn_log_config
+    from kvroute.service.connections import guarded_protocol
     from kvroute.service.limits import install_busy_answer
 
     state: RouterState = app.state.router
@@ -472,7 +614,10 @@ def serve(app: FastAPI, settings: Settings) -> None:
         host=settings.host,
         port=settings.port,
         loop="uvloop",
-        http="httptools",
+        http=guarded_protocol(
+            settings.max_header_bytes, settings.header_timeout_secs, settings.body_timeout_secs
+        ),
+        timeout_keep_alive=settings.keep_alive_timeout_secs,  # type: ignore[arg-type]
         # uvicorn's records go through the handler set up above (same format); its own
         # access log stays off, the router writes a richer one (service/accesslog.py).
         log_config=uvicorn_log_config(settings.log_level),

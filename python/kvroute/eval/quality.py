@@ -127,6 +127,8 @@ def start_router(spec: RouterSpec, workers: Sequence[Server], log_dir: str, root
                 if "kv_events" not in w.extra:
                     raise ValueError(f"{spec.name}: the workers do not publish KV events")
                 events += ["--kv-events", str(w.extra["kv_events"])]
+            if "--tokenizer" not in spec.args:  # simulated workers count UTF-8 bytes
+                events.append("--token-id-prompts")
         argv = kvroute_argv(
             "serve", "--port", str(port), "--policy", spec.policy,
             "--worker-urls", *urls, "--log-level", "warning", *spec.args, *events,

@@ -23,18 +23,31 @@ from __future__ import annotations
 
 import array
 import asyncio
-import contextlib
 import logging
 import os
 import re
+import sys
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 import numpy
+import orjson
 
 from kvroute.errors import BadRequestError
+from kvroute.routing.prompts import MAX_TOKEN_ID, prompt_batch, token_list
+from kvroute.routing.templates import (
+    Bounds,
+    TemplateBoundsError,
+    compile_template,
+    render,
+    render_off_loop,
+    request_template_kwargs,
+    template_messages,
+)
+from kvroute.routing.tokenizer_files import load_chat_template, load_tokenizer
 
 log = logging.getLogger("kvroute.routing.tokenization")
 
@@ -42,7 +55,6 @@ log = logging.getLogger("kvroute.routing.tokenization")
 # The thread hop costs ~0.3 ms of CPU here, about what encoding 1,000 characters costs;
 # past 2,048 characters (~500 tokens) keeping the loop free is worth it.
 OFFLOAD_CHARS = 2048
-MAX_TOKEN_ID = 2**32 - 1
 
 
 def default_tokenizer_dir() -> str | None:
@@ -60,30 +72,6 @@ def utf8_tokens(text: str) -> array.array[int]:
     by NumPy: 30x faster than ``array.extend`` over the bytes, ~190 µs for 8 KB)."""
     raw = numpy.frombuffer(text.encode("utf-8", "surrogatepass"), numpy.uint8)
     return array.array("I", raw.astype(numpy.uint32).tobytes())
-
-
-def _token_list(value: Any, field: str) -> array.array[int]:
-    if not isinstance(value, list) or not value:
-        raise BadRequestError(f"'{field}' must be a non-empty list of token IDs")
-    try:
-        return array.array("I", value)
-    except (TypeError, OverflowError):
-        # JSON does not tell 7 from 7.0 and JSON Schema's "integer" takes both (so do
-        # the engines' pydantic models): whole floats are token IDs too.
-        if all((isinstance(v, float) and v.is_integer()) or isinstance(v, int) for v in value):
-            with contextlib.suppress(TypeError, OverflowError, ValueError):
-                return array.array("I", [int(v) for v in value])
-        bad = next(
-            (
-                v
-                for v in value
-                if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_TOKEN_ID
-            ),
-            None,
-        )
-        raise BadRequestError(
-            f"'{field}' must contain integer token IDs in [0, {MAX_TOKEN_ID}], got {bad!r}"
-        ) from None
 
 
 def _message_text(content: Any, index: int) -> str:
@@ -114,12 +102,39 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
     return messages
 
 
-class PromptTokenizer:
-    """Turns request bodies into token IDs (``array('I')``), with a segment cache."""
+def _entry_bytes(text: str, ids: tuple[int, ...]) -> int:
+    """What a segment-cache entry costs, estimated on the safe side: the key, the tuple
+    (8 bytes a slot) and an int object (28 bytes) per ID, and the dict slot. CPython
+    shares the ints up to 256, so text whose IDs are small (Qwen's digits) costs less
+    than this says (measured: about 4x less in ``bench/soak.py``'s unique chats)."""
+    return sys.getsizeof(text) + 56 + 36 * len(ids) + 100
 
-    def __init__(self, tokenizer_dir: str | None, cache_size: int = 8192) -> None:
+
+class PromptTokenizer:
+    """Turns request bodies into token IDs (``array('I')``), with a segment cache.
+
+    ``cache_size`` bounds the segment cache in entries and ``cache_bytes`` in bytes
+    (text and IDs together). ``trust_request_chat_template`` lets requests bring their
+    own template and any kwargs; ``template_timeout_s`` bounds each render's time."""
+
+    def __init__(
+        self,
+        tokenizer_dir: str | None,
+        cache_size: int = 8192,
+        *,
+        cache_bytes: int = 64 * 1024 * 1024,
+        trust_request_chat_template: bool = False,
+        template_timeout_s: float = 2.0,
+    ) -> None:
         self.tokenizer_dir = tokenizer_dir
         self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
+        self._cache_used = 0
+        self.trust_request_chat_template = trust_request_chat_template
+        self.template_timeout_s = template_timeout_s
+        self.max_token_id = MAX_TOKEN_ID
+        self._template: Any = None
+        self._special_map: dict[str, Any] = {}
         self._cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self.cache_hits = 0
         self.cache_misses = 0
@@ -130,29 +145,31 @@ class PromptTokenizer:
         self._prefix_specials: list[int] = []
         self._lock = threading.Lock()
         if tokenizer_dir is not None:
-            # The Rust tokenizer's rayon threads spin after every call; the router encodes
-            # one text per call, so parallelism only burns CPU (+30-50% per encode,
-            # measured). An explicit setting by the user wins.
-            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-            # transformers' import-time advice that PyTorch is missing: the router only
-            # needs the tokenizer. Real warnings (not advisory ones) still show.
-            os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-            from transformers import AutoTokenizer
+            self._load(tokenizer_dir)
 
-            self._tok = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-            self._fast = getattr(self._tok, "_tokenizer", None)
-            specials = {t: i for t, i in self._tok.get_added_vocab().items() if t}
-            self._special_ids = specials
-            # What the tokenizer puts before a text when adding special tokens (BOS).
-            try:
-                self._prefix_specials = list(self._tok.build_inputs_with_special_tokens([]))
-            except Exception:
-                self._prefix_specials = []
-            if specials:
-                alternation = "|".join(
-                    re.escape(t) for t in sorted(specials, key=len, reverse=True)
-                )
-                self._special = re.compile(f"({alternation})")
+    def _load(self, tokenizer_dir: str) -> None:
+        # The Rust tokenizer's rayon threads spin after every call; the router encodes
+        # one text per call, so parallelism only burns CPU (+30-50% per encode,
+        # measured). An explicit setting by the user wins.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        # transformers' import-time advice that PyTorch is missing: the router only
+        # needs the tokenizer. Real warnings (not advisory ones) still show.
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+        self._tok = load_tokenizer(tokenizer_dir)
+        self._fast = getattr(self._tok, "_tokenizer", None)
+        specials = {t: i for t, i in self._tok.get_added_vocab().items() if t}
+        self._special_ids = specials
+        self.max_token_id = max([len(self._tok) - 1, *specials.values()])
+        self._special_map = dict(self._tok.special_tokens_map)
+        self._template = load_chat_template(self._tok, tokenizer_dir)
+        # What the tokenizer puts before a text when adding special tokens (BOS).
+        try:
+            self._prefix_specials = list(self._tok.build_inputs_with_special_tokens([]))
+        except Exception:
+            self._prefix_specials = []
+        if specials:
+            alternation = "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True))
+            self._special = re.compile(f"({alternation})")
 
     @property
     def uses_bytes(self) -> bool:
@@ -198,9 +215,19 @@ class PromptTokenizer:
         found = dict(zip(texts, encoded, strict=True))
         with self._lock:
             for text, ids in found.items():
+                size = _entry_bytes(text, ids)
+                if size > self.cache_bytes // 4:
+                    continue  # one huge piece would flush everything else
+                old = self._cache.pop(text, None)
+                if old is not None:
+                    self._cache_used -= _entry_bytes(text, old)
                 self._cache[text] = ids
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+                self._cache_used += size
+            while self._cache and (
+                len(self._cache) > self.cache_size or self._cache_used > self.cache_bytes
+            ):
+                text, ids = self._cache.popitem(last=False)
+                self._cache_used -= _entry_bytes(text, ids)
         return found
 
     @staticmethod
@@ -245,95 +272,107 @@ class PromptTokenizer:
     # ------------------------------------------------------------------ rendering
 
     def render_chat(self, messages: list[dict[str, Any]], body: dict[str, Any]) -> str:
+        """The prompt text the engine builds from ``messages`` (synchronous; see
+        ``render_chat_async``). Raises BadRequestError."""
         if self._tok is None:
+            request_template_kwargs(body, trusted=self.trust_request_chat_template)
             return "".join(
                 f"{m['role']}: {_message_text(m.get('content'), i)}\n"
                 for i, m in enumerate(messages)
             )
-        kwargs: dict[str, Any] = {}
-        if isinstance(body.get("tools"), list):
-            kwargs["tools"] = body["tools"]
-        if isinstance(body.get("chat_template_kwargs"), dict):
-            kwargs.update(body["chat_template_kwargs"])
+        return self._render(messages, body, time.monotonic() + self.template_timeout_s)
+
+    async def render_chat_async(self, messages: list[dict[str, Any]], body: dict[str, Any]) -> str:
+        """``render_chat`` in the template thread pool, so that no template (the
+        model's or a trusted request's) ever blocks the event loop."""
+        if self._tok is None:
+            return self.render_chat(messages, body)
+        deadline = time.monotonic() + self.template_timeout_s
+        return await render_off_loop(
+            lambda: self._render(messages, body, deadline), self.template_timeout_s
+        )
+
+    def _render(self, messages: list[dict[str, Any]], body: dict[str, Any], deadline: float) -> str:
+        source, kwargs = request_template_kwargs(body, trusted=self.trust_request_chat_template)
+        bounds = Bounds.for_body(len(orjson.dumps(body)), 0.0)
+        bounds.deadline = deadline
         try:
-            text = self._tok.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, **kwargs
-            )
+            template = self._template if source is None else compile_template(source)
+            if template is None:
+                raise BadRequestError("the tokenizer has no chat template", code="no_chat_template")
+            tools = body.get("tools") if isinstance(body.get("tools"), list) else None
+            variables = {
+                **self._special_map,
+                **kwargs,
+                "messages": template_messages(messages),
+                "tools": tools,
+                "documents": None,
+                "add_generation_prompt": True,
+            }
+            return render(template, variables, bounds)
+        except TemplateBoundsError:
+            raise
+        except BadRequestError:
+            raise
         except Exception as e:  # template errors are the client's: bad message shapes
             raise BadRequestError(
                 f"messages could not be rendered with the chat template: {e}"
             ) from None
-        return str(text)
 
     def check(self, route: str, body: dict[str, Any]) -> None:
         """Validate what a router needs of ``body`` without tokenizing (for policies
         that do not look at the prompt). Raises BadRequestError."""
         if route == "chat":
             _check_messages(body.get("messages"))
+            request_template_kwargs(body, trusted=self.trust_request_chat_template)
             return
+        self._prompts(route, body)
+
+    def _prompts(self, route: str, body: dict[str, Any]) -> tuple[list[Any], str]:
+        """Every prompt of a completions / generate body, validated (strings non-empty,
+        token-ID lists checked in full), and the field they came from."""
         if route == "completions":
             if "prompt" not in body:
                 raise BadRequestError("'prompt' is required")
             value, field = body["prompt"], "prompt"
         elif body.get("input_ids") is not None:
             value, field = body["input_ids"], "input_ids"
-            if isinstance(value, list) and value and isinstance(value[0], list):
-                value = value[0]
-            _token_list(value, field)
-            return
+            if not isinstance(value, list) or not value:
+                raise BadRequestError("'input_ids' must be a non-empty list of token IDs")
         elif "text" in body:
             value, field = body["text"], "text"
         else:
             raise BadRequestError("one of 'text' or 'input_ids' is required")
-        if isinstance(value, list) and value and isinstance(value[0], str | list):
-            value = value[0]
-        if isinstance(value, str):
-            if not value:
-                raise BadRequestError(f"'{field}' must not be empty")
-        elif isinstance(value, list):
-            _token_list(value, field)
-        else:
-            raise BadRequestError(
-                f"'{field}' must be a string, a list of token IDs, or a list of those"
-            )
+        prompts = prompt_batch(value, field)
+        out: list[Any] = []
+        for p in prompts:
+            if isinstance(p, str) and field != "input_ids":
+                if not p:
+                    raise BadRequestError(f"'{field}' must not be empty")
+                out.append(p)
+            elif isinstance(p, list):
+                out.append(token_list(p, field, self.max_token_id))
+            else:
+                raise BadRequestError(
+                    f"'{field}' must be a string, a list of token IDs, or a list of those"
+                    if field != "input_ids"
+                    else "'input_ids' must be a list of token IDs or a list of those"
+                )
+        return out, field
 
     async def tokens_for(self, route: str, body: dict[str, Any]) -> Sequence[int]:
-        """Token IDs to route ``body`` (already parsed JSON object) sent to ``route``."""
+        """Token IDs to route ``body`` (already parsed JSON object) sent to ``route``.
+        A batch routes on its first prompt; every prompt is validated."""
         if route == "chat":
             messages = _check_messages(body.get("messages"))
-            text = self.render_chat(messages, body)
+            text = await self.render_chat_async(messages, body)
             return await self.encode_text_async(text)
-        if route == "completions":
-            if "prompt" not in body:
-                raise BadRequestError("'prompt' is required")
-            return await self._prompt_tokens(body["prompt"], "prompt")
-        # /generate (SGLang): input_ids or text
-        if body.get("input_ids") is not None:
-            ids = body["input_ids"]
-            if isinstance(ids, list) and ids and isinstance(ids[0], list):
-                ids = ids[0]
-            return _token_list(ids, "input_ids")
-        if "text" in body:
-            return await self._prompt_tokens(body["text"], "text")
-        raise BadRequestError("one of 'text' or 'input_ids' is required")
-
-    async def _prompt_tokens(self, prompt: Any, field: str) -> Sequence[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise BadRequestError(f"'{field}' must not be empty")
-            return await self.encode_text_async(prompt, add_special_tokens=True)
-        if isinstance(prompt, list):
-            if not prompt:
-                raise BadRequestError(f"'{field}' must not be empty")
-            first = prompt[0]
-            if isinstance(first, str):
-                return await self._prompt_tokens(first, field)
-            if isinstance(first, list):
-                return _token_list(first, field)
-            return _token_list(prompt, field)
-        raise BadRequestError(
-            f"'{field}' must be a string, a list of token IDs, or a list of those"
-        )
+        prompts, _ = self._prompts(route, body)
+        first = prompts[0]
+        if isinstance(first, str):
+            return await self.encode_text_async(first, add_special_tokens=True)
+        ids: Sequence[int] = first
+        return ids
 
     def cache_stats(self) -> dict[str, float]:
         total = self.cache_hits + self.cache_misses
@@ -342,4 +381,5 @@ class PromptTokenizer:
             "misses": self.cache_misses,
             "hit_rate": self.cache_hits / total if total else 0.0,
             "entries": len(self._cache),
+            "bytes": self._cache_used,
         }

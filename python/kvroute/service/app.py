@@ -13,7 +13,6 @@ import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
-from urllib.parse import unquote
 
 import httpx
 import orjson
@@ -34,9 +33,11 @@ from kvroute.errors import (
     UnprocessableError,
     error_response,
 )
+from kvroute.fleet.budget import budget_loop
 from kvroute.fleet.discovery import start_discovery
 from kvroute.fleet.health import check_all, check_worker, health_loop, refresh_models
 from kvroute.fleet.models import listing, named_models
+from kvroute.fleet.urls import path_worker_url, worker_url_refusal
 from kvroute.routing.tokenization import PromptTokenizer
 from kvroute.service import openapi
 from kvroute.service.fastpath import RouterApp
@@ -90,6 +91,18 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
             s, state.registry, state.pools.drop if state.pools else None, probe
         )
         sampler = asyncio.create_task(history.run())
+        budget_task = None
+        if state.budget is not None:
+            budget_task = asyncio.create_task(
+                budget_loop(
+                    state.budget,
+                    state.index,
+                    lambda: state.client,
+                    lambda: list(state.registry.workers),
+                    interval=s.health_check_interval_secs,
+                    timeout_s=s.health_check_timeout_secs,
+                )
+            )
         if state.subscriber is not None:
             await asyncio.to_thread(state.subscriber.start)
         try:
@@ -97,7 +110,7 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
         finally:
             if state.subscriber is not None:
                 await asyncio.to_thread(state.subscriber.stop)
-            for t in (task, discovery, sampler):
+            for t in (task, discovery, sampler, budget_task):
                 if t is not None:
                     t.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
@@ -144,6 +157,11 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
         if key:
             if not _key_ok(_bearer(request), key):
                 raise UnauthorizedError("admin endpoints need the admin API key")
+        elif state.settings.api_key:
+            # A router with a client key is not open to keyless admin calls, even on
+            # loopback: without --admin-api-key the client key opens them.
+            if not _key_ok(_bearer(request), state.settings.api_key):
+                raise UnauthorizedError("admin endpoints need the API key (no --admin-api-key set)")
         elif not state.settings.loopback_only:
             raise ForbiddenError(
                 "admin endpoints are disabled: set --admin-api-key to use them "
@@ -302,6 +320,9 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
                 "then its LoRA adapters)",
                 code="invalid_models",
             )
+        refusal = worker_url_refusal(url, state.settings.worker_url_allow)
+        if refusal is not None:
+            raise ForbiddenError(refusal, code="worker_url_not_allowed")
         kv_events = obj.get("kv_events")
         if kv_events is not None:
             await add_event_source(url, kv_events)
@@ -339,7 +360,7 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
     @app.delete("/workers/{url:path}", responses=openapi.ROUTES["remove_worker"])
     async def remove_worker(request: Request, url: str) -> Response:
         check_admin(request)
-        target = unquote(url).rstrip("/")
+        target = path_worker_url(request.scope)
         with contextlib.suppress(ConfigError):  # spelled differently, same worker
             target = normalize_worker_url(target)
         if state.registry.remove(target) is None:

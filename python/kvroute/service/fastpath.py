@@ -56,7 +56,7 @@ class RouterApp(FastAPI):
             except RouterError as e:
                 response = e.response()
             except ClientDisconnect:
-                return  # gone while sending its body: no one to answer (logged as 499)
+                return  # gone before its body arrived (or timed out sending it): no one to answer
             except Exception:
                 # What FastAPI's error middleware would do, in the API's error shape.
                 log.exception("unhandled error on %s", scope["path"])

@@ -128,6 +128,11 @@ class _FleetCollector(Collector):
             value=tok["misses"],
         )
         yield GaugeMetricFamily(
+            "kvroute_tokenizer_cache_bytes",
+            "Estimated memory of the tokenizer's segment cache (--tokenizer-cache-bytes bounds it)",
+            value=tok["bytes"],
+        )
+        yield GaugeMetricFamily(
             "kvroute_asyncio_tasks",
             "asyncio tasks alive in the router's event loop (requests, health checks)",
             value=snap["asyncio_tasks"],

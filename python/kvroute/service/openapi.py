@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvroute.routing.tokenization import MAX_TOKEN_ID
+from kvroute.routing.prompts import MAX_TOKEN_ID
 
 JSON = "application/json"
 ERROR = {
@@ -36,13 +36,13 @@ ERROR = {
 TOKENS = {
     "type": "array",
     "minItems": 1,
-    "description": "token IDs (JSON true/false count as 1/0, as in the engines' own models)",
-    "items": {"type": ["integer", "boolean"], "minimum": 0, "maximum": MAX_TOKEN_ID},
+    "description": "token IDs: integers (no booleans) within the tokenizer's vocabulary",
+    "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID},
 }
 TEXT = {"type": "string", "minLength": 1}
-# A batch: the router reads (and checks) only its first prompt; the worker the rest.
-TEXT_BATCH = {"type": "array", "minItems": 1, "prefixItems": [TEXT]}
-TOKENS_BATCH = {"type": "array", "minItems": 1, "prefixItems": [TOKENS]}
+# A batch: every prompt is checked (all texts or all token lists); the first is routed on.
+TEXT_BATCH = {"type": "array", "minItems": 1, "items": TEXT}
+TOKENS_BATCH = {"type": "array", "minItems": 1, "items": TOKENS}
 PROMPT = {
     "description": "A text, token IDs, or a batch of either (the first item is routed on).",
     "oneOf": [TEXT, TOKENS, TEXT_BATCH, TOKENS_BATCH],
@@ -132,8 +132,11 @@ def ok(description: str, media: str = JSON, schema: dict[str, Any] | None = None
 Responses = dict[int | str, dict[str, Any]]
 UNAUTHORIZED: Responses = {401: error("--api-key is set and the request does not carry it")}
 ADMIN: Responses = {
-    401: error("--admin-api-key is set and the request does not carry it"),
-    403: error("admin endpoints are off: no --admin-api-key and not on loopback"),
+    401: error("the admin key (or, without one, the API key) is set and not sent"),
+    403: error(
+        "admin endpoints are off (no key and not on loopback), or the worker URL is not "
+        "allowed by --worker-url-allow"
+    ),
 }
 INFERENCE: Responses = {
     200: {

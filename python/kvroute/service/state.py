@@ -17,6 +17,7 @@ import httpx
 
 from kvroute._native import PrefixIndex
 from kvroute.config import ConfigError, Settings
+from kvroute.fleet.budget import IndexBudget
 from kvroute.fleet.engine_load import CapacityLearner
 from kvroute.fleet.models import adapter_partition
 from kvroute.fleet.registry import Registry
@@ -53,6 +54,7 @@ class RouterState:
     # reserves each routed request's predicted work here, work-aware policies read it.
     work: LoadModel = field(default_factory=LoadModel)
     subscriber: Any = None
+    budget: IndexBudget | None = None  # default index budgets (no --max-tree-size)
     # Set by ``kvroute serve`` on SIGTERM: the server stops accepting and, once the grace
     # period runs out, cancels what is still in flight.
     draining: bool = False
@@ -87,6 +89,7 @@ class RouterState:
                 "healthy": None if w.healthy is None else w.available(now),
                 "in_flight": w.in_flight,
                 "cached_tokens": self.index.cached_tokens(w.url),
+                "index_budget": self.index.worker_budget(w.url),
                 "requests_served": w.served,
                 "failures": w.failed,
                 "down_reason": w.down_reason or None,
@@ -118,7 +121,24 @@ def _task_count() -> int:
 
 
 def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) -> RouterState:
-    index = PrefixIndex(settings.max_tree_size)
+    tokenizer = tokenizer or PromptTokenizer(
+        settings.tokenizer,
+        settings.tokenizer_cache_size,
+        cache_bytes=settings.tokenizer_cache_bytes,
+        trust_request_chat_template=settings.trust_request_chat_template,
+        template_timeout_s=settings.chat_template_timeout_secs,
+    )
+    budget = None
+    if settings.max_tree_size is None:
+        budget = IndexBudget(
+            settings.tree_size_fallback,
+            settings.max_total_tree_size,
+            index_in_bytes=tokenizer.uses_bytes,
+        )
+        # Until a worker has its own budget, the fallback (capped) applies.
+        index = PrefixIndex(budget.budget_for("", 1))
+    else:
+        index = PrefixIndex(settings.max_tree_size)
     policy = create_policy(
         settings.policy,
         index,
@@ -147,7 +167,7 @@ def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) ->
         index=index,
         policy=policy,
         registry=registry,
-        tokenizer=tokenizer or PromptTokenizer(settings.tokenizer, settings.tokenizer_cache_size),
+        tokenizer=tokenizer,
         metrics=None,  # type: ignore[arg-type]  # set below: it needs the state
         admission=Admission(
             settings.max_concurrent_requests,
@@ -179,9 +199,31 @@ def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) ->
         setup_precise(state)
     if settings.record:
         setup_recording(state)
+    if budget is not None:
+        setup_budget(state, budget)
     for url in settings.worker_urls:
         registry.add(url)
     return state
+
+
+def setup_budget(state: RouterState, budget: IndexBudget) -> None:
+    """Default index budgets (``kvroute.fleet.budget``): re-applied whenever a worker
+    is added or removed; engines' readings are taken by ``budget_loop`` in the lifespan."""
+    state.budget = budget
+    registry = state.registry
+
+    def reapply(_: str) -> None:
+        budget.apply(state.index, list(registry.workers))
+
+    previous = registry._on_added
+
+    def on_added(url: str) -> None:
+        if previous is not None:
+            previous(url)
+        reapply(url)
+
+    registry._on_added = on_added
+    _chain_on_down(state, reapply)
 
 
 def _chain_on_down(state: RouterState, hook: Callable[[str], None]) -> None:

@@ -1,0 +1,150 @@
+"""The index's memory budget, derived from what the engines report.
+
+The router predicts what each worker caches; a worker cannot cache more tokens than its
+KV cache holds, so that capacity is the natural per-worker budget of the index:
+
+* vLLM publishes it in ``/metrics`` as the labels of ``vllm:cache_config_info``
+  (``num_gpu_blocks`` x ``block_size`` tokens);
+* SGLang answers ``GET /get_server_info`` with ``max_total_num_tokens``.
+
+Until a worker reports (or when it never does: a stub, an older engine), its budget is
+the fallback, ``--tree-size-fallback`` tokens. Without a tokenizer the index counts UTF-8
+bytes, about ``BYTES_PER_TOKEN`` per token, so token counts are scaled by that. A
+process-wide cap (``--max-total-tree-size``, in index entries, ~5.3 bytes each measured
+with unique 256-token prompts) bounds the sum: each worker gets at most its share of it.
+``--max-tree-size`` replaces all of this with one fixed budget per worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+import httpx
+import orjson
+
+log = logging.getLogger("kvroute.fleet.budget")
+
+BYTES_PER_TOKEN = 4
+_ATTEMPTS = 3  # readings tried per worker before it keeps the fallback
+
+_CACHE_CONFIG = re.compile(rb"^vllm:cache_config_info\{([^}\n]*)\}", re.MULTILINE)
+_LABEL = re.compile(rb'(\w+)="([^"]*)"')
+
+
+def parse_vllm_cache_config(metrics: bytes) -> int | None:
+    """KV capacity in tokens from vLLM's ``vllm:cache_config_info`` labels, or None."""
+    m = _CACHE_CONFIG.search(metrics)
+    if m is None:
+        return None
+    labels = dict(_LABEL.findall(m.group(1)))
+    try:
+        blocks = int(labels[b"num_gpu_blocks"])
+        size = int(labels[b"block_size"])
+    except (KeyError, ValueError):
+        return None
+    return blocks * size if blocks > 0 and size > 0 else None
+
+
+def parse_sglang_server_info(body: bytes) -> int | None:
+    """KV capacity in tokens from SGLang's ``/get_server_info``, or None."""
+    try:
+        info = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    value = info.get("max_total_num_tokens") if isinstance(info, dict) else None
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return None
+
+
+class Budgeted(Protocol):
+    """The index calls the budget makes (``kvroute.PrefixIndex``)."""
+
+    def set_worker_budget(self, worker: str, max_tokens: int | None) -> int: ...
+    def worker_budget(self, worker: str) -> int | None: ...
+
+
+class IndexBudget:
+    """Per-worker budgets: reported capacity (or the fallback), scaled to index units,
+    each at most an equal share of the process-wide cap."""
+
+    def __init__(self, fallback_tokens: int, total_cap: int, *, index_in_bytes: bool) -> None:
+        self.fallback_tokens = fallback_tokens
+        self.total_cap = total_cap
+        self.scale = BYTES_PER_TOKEN if index_in_bytes else 1
+        self.reported: dict[str, int] = {}
+        self.attempts: dict[str, int] = {}
+        self.budgets: dict[str, int] = {}
+
+    def budget_for(self, worker: str, fleet_size: int) -> int:
+        tokens = self.reported.get(worker, self.fallback_tokens)
+        return max(1, min(tokens * self.scale, self.total_cap // max(1, fleet_size)))
+
+    def apply(self, index: Budgeted, workers: Iterable[str]) -> None:
+        """Set every worker's budget in ``index`` (call when the fleet or a reading
+        changes); a smaller budget evicts at once."""
+        urls = list(workers)
+        for url in [u for u in self.budgets if u not in urls]:
+            self.budgets.pop(url)
+            self.attempts.pop(url, None)
+            self.reported.pop(url, None)
+        for url in urls:
+            budget = self.budget_for(url, len(urls))
+            # Asked of the index itself: a worker it forgot (down, then back) is set again.
+            if index.worker_budget(url) != budget:
+                index.set_worker_budget(url, budget)
+            self.budgets[url] = budget
+
+    def wants_reading(self, worker: str) -> bool:
+        return worker not in self.reported and self.attempts.get(worker, 0) < _ATTEMPTS
+
+
+async def read_capacity(client: httpx.AsyncClient, url: str, timeout_s: float) -> int | None:
+    """The worker's KV capacity in tokens, from vLLM's metrics or SGLang's server info."""
+    for path, parse in (
+        ("/metrics", parse_vllm_cache_config),
+        ("/get_server_info", parse_sglang_server_info),
+    ):
+        try:
+            r = await client.get(url + path, timeout=timeout_s)
+        except httpx.HTTPError:
+            continue
+        if r.status_code == 200:
+            found = parse(r.content)
+            if found is not None:
+                return found
+    return None
+
+
+async def budget_loop(
+    budget: IndexBudget,
+    index: Budgeted,
+    client: Callable[[], httpx.AsyncClient],
+    current: Callable[[], Iterable[str]],
+    *,
+    interval: float,
+    timeout_s: float,
+) -> None:
+    """Keep ``index``'s per-worker budgets in step with the fleet (``current()`` gives
+    the worker URLs) and with what the engines report (each read up to 3 times);
+    ``client()`` gives the router's current upstream client."""
+    while True:
+        urls = list(current())
+        budget.apply(index, urls)
+        todo = [u for u in urls if budget.wants_reading(u)]
+
+        async def read(url: str) -> None:
+            budget.attempts[url] = budget.attempts.get(url, 0) + 1
+            tokens = await read_capacity(client(), url, timeout_s)
+            if tokens is not None:
+                budget.reported[url] = tokens
+                log.info("%s reports a KV capacity of %d tokens", url, tokens)
+
+        if todo:
+            await asyncio.gather(*(read(u) for u in todo))
+            budget.apply(index, urls)
+        await asyncio.sleep(interval)

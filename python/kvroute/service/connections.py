@@ -1,0 +1,178 @@
+"""Connection hygiene: limits uvicorn's httptools protocol does not set by itself.
+
+uvicorn bounds idle keep-alive connections (``timeout_keep_alive``, set from
+``--keep-alive-timeout-secs``) but, with httptools, neither the size of a request's
+headers nor the time a client may take to send them or its body: a client could hold a
+connection (and a file descriptor) forever with a request that never ends, or make the
+parser buffer megabytes of headers. ``guarded_protocol`` subclasses uvicorn's
+``HttpToolsProtocol`` with three guards:
+
+* header size: the bytes of the request line and headers are counted as they arrive
+  (raw bytes while the header is incomplete, then the parsed parts); past
+  ``--max-header-bytes`` the client gets ``431 Request Header Fields Too Large`` and the
+  connection closes.
+* header time: from the connection's start (or the first byte of a later request on a
+  kept-alive connection) the headers must be complete within ``--header-timeout-secs``;
+  otherwise ``408 Request Timeout`` (or a plain close if nothing was sent).
+* body time: while a request body is still expected, each ``--body-timeout-secs``
+  without a byte of it ends the request with ``408``; the app sees the client as gone.
+  Time while reading is paused (the app has not consumed what arrived, e.g. while the
+  request waits for admission) does not count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+
+def _response(status: bytes, message: bytes) -> bytes:
+    body = b'{"error":{"message":"' + message + b'","type":"invalid_request_error","code":null}}'
+    return (
+        b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n"
+        b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body
+    )
+
+
+HEADER_TOO_LARGE = _response(b"431 Request Header Fields Too Large", b"request headers too large")
+LINGER_S = 1.0  # how long a refused connection's late input is read and dropped
+REQUEST_TIMEOUT = _response(b"408 Request Timeout", b"request not received in time")
+
+
+def guarded_protocol(
+    max_header_bytes: int, header_timeout_s: float, body_timeout_s: float
+) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol with the three guards (see the module docstring)."""
+
+    class GuardedHttpToolsProtocol(HttpToolsProtocol):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._in_header = False
+            self._header_bytes = 0
+            self._header_timer: asyncio.TimerHandle | None = None
+            self._body_timer: asyncio.TimerHandle | None = None
+            self._refused = False
+            self._linger: asyncio.TimerHandle | None = None
+
+        # -------------------------------------------------------- timers
+
+        def _arm_header_timer(self) -> None:
+            if self._header_timer is None:
+                self._header_timer = self.loop.call_later(header_timeout_s, self._header_late)
+
+        def _cancel(self) -> None:
+            for timer in (self._header_timer, self._body_timer):
+                if timer is not None:
+                    timer.cancel()
+            self._header_timer = self._body_timer = None
+
+        def _refuse(self, response: bytes | None) -> None:
+            """Answer ``response`` (unless a response is under way) and close."""
+            self._refused = True
+            self._cancel()
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete:
+                if cycle.response_started:
+                    response = None
+                cycle.disconnected = True  # the app's sends are dropped from here on
+                cycle.message_event.set()  # and its receive() returns http.disconnect
+            if self.transport.is_closing():
+                return
+            if response is None:
+                self.transport.close()
+                return
+            self.transport.write(response)
+            # A lingering close (as nginx's): stop sending, but read and drop what the
+            # client is still sending for a moment; closing with unread data would send
+            # a reset that can destroy the answer before the client reads it.
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+                self._linger = self.loop.call_later(LINGER_S, self.transport.close)
+            else:
+                self.transport.close()
+
+        def _header_late(self) -> None:
+            self._header_timer = None
+            self._refuse(REQUEST_TIMEOUT if self._header_bytes else None)
+
+        def _body_late(self) -> None:
+            self._body_timer = None
+            if self.flow is not None and self.flow.read_paused:
+                # The app has not read what it has (queued for admission): the pause is
+                # the router's, not the client's.
+                self._body_timer = self.loop.call_later(body_timeout_s, self._body_late)
+                return
+            self._refuse(REQUEST_TIMEOUT)
+
+        # -------------------------------------------------------- protocol
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm_header_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel()
+            if self._linger is not None:
+                self._linger.cancel()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if self._refused:
+                return
+            super().data_received(data)
+            if self._in_header and not self._refused:
+                # Still inside the header after this chunk: all of it counts.
+                self._header_bytes += len(data)
+                if self._header_bytes > max_header_bytes:
+                    self._refuse(HEADER_TOO_LARGE)
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._in_header = True
+            self._header_bytes = 0
+            self._arm_header_timer()
+
+        def on_url(self, url: bytes) -> None:
+            self._count(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._count(len(name) + len(value) + 4)
+            super().on_header(name, value)
+
+        def _count(self, n: int) -> None:
+            self._header_bytes += n
+            if self._header_bytes > max_header_bytes and not self._refused:
+                self._refuse(HEADER_TOO_LARGE)
+
+        def on_headers_complete(self) -> None:
+            self._in_header = False
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+            if self._refused:
+                return
+            super().on_headers_complete()
+            lengths = [v for k, v in self.headers if k in (b"content-length", b"transfer-encoding")]
+            if any(v.strip() not in (b"0", b"") for v in lengths):
+                self._body_timer = self.loop.call_later(body_timeout_s, self._body_late)
+
+        def on_body(self, body: bytes) -> None:
+            if self._refused:
+                return
+            if self._body_timer is not None:
+                self._body_timer.cancel()
+                self._body_timer = self.loop.call_later(body_timeout_s, self._body_late)
+            super().on_body(body)
+
+        def on_message_complete(self) -> None:
+            if self._refused:
+                return
+            if self._body_timer is not None:
+                self._body_timer.cancel()
+                self._body_timer = None
+            super().on_message_complete()
+
+    return GuardedHttpToolsProtocol

