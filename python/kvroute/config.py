@@ -54,6 +54,41 @@ def normalize_worker_url(url: str) -> str:
     return url.strip().rstrip("/")
 
 
+@dataclass(frozen=True, slots=True)
+class StoreURL:
+    """A parsed ``redis://[:password@]host:port/db`` or ``rediss://`` URL."""
+
+    url: str
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("redis", "rediss"):
+            raise ConfigError("--state-store must be redis://[:password@]host:port/db or rediss://")
+        if not parts.hostname:
+            raise ConfigError("--state-store: missing host")
+        try:
+            parts.port  # noqa: B018 - raises on a bad port
+        except ValueError:
+            raise ConfigError("--state-store: bad port") from None
+        db = parts.path.strip("/") or "0"
+        if not db.isdigit():
+            raise ConfigError("--state-store: the path must be a database number (/0)")
+
+    @property
+    def redacted(self) -> str:
+        """The URL with any password replaced (what logs and /status show)."""
+        parts = urlsplit(self.url)
+        if parts.password is None and parts.username is None:
+            return self.url
+        host = parts.hostname or ""
+        port = f":{parts.port}" if parts.port else ""
+        user = parts.username or ""
+        return f"{parts.scheme}://{user}:***@{host}{port}{parts.path}"
+
+    def __repr__(self) -> str:
+        return f"StoreURL({self.redacted!r})"
+
+
 @dataclass
 class Settings:
     worker_urls: list[str] = field(default_factory=list)
@@ -96,6 +131,10 @@ class Settings:
     log_level: str = "info"
     tokenizer_cache_size: int = 8192
     kv_events: list[str] = field(default_factory=list)
+    # Router replicas sharing routing state, load and workers (kvroute.fleet.shared).
+    state_store: str | None = field(default=None, repr=False)  # may hold a password
+    state_store_heartbeat_secs: float = 0.5
+    state_store_stream_len: int = 100_000
 
     def validate(self) -> Settings:
         self.worker_urls = [normalize_worker_url(u) for u in self.worker_urls]
@@ -148,6 +187,12 @@ class Settings:
             raise ConfigError("--worker-capacity must be >= 1")
         if self.bounded_load_factor < 1.0:
             raise ConfigError("--bounded-load-factor must be >= 1.0")
+        if self.state_store is not None:
+            StoreURL(self.state_store)  # raises ConfigError, never echoing the URL
+        if self.state_store_heartbeat_secs <= 0:
+            raise ConfigError("--state-store-heartbeat-secs must be > 0")
+        if self.state_store_stream_len < 100:
+            raise ConfigError("--state-store-stream-len must be >= 100")
         if self.log_level.lower() not in ("debug", "info", "warning", "warn", "error", "critical"):
             raise ConfigError(f"unknown --log-level {self.log_level!r}")
         return self

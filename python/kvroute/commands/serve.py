@@ -103,6 +103,30 @@ def configure(p: argparse.ArgumentParser) -> None:
         "'WORKER_URL=tcp://host:port[;topic=T][;replay=tcp://...][;bind]', "
         "one per worker (see docs/precise-mode.md)",
     )
+    g.add_argument(
+        "--state-store",
+        default=None,
+        metavar="URL",
+        help="router replicas share their routing decisions (block digests, never "
+        "prompts), their load per worker and the worker list through Redis: "
+        "redis://[:password@]host:port/db or rediss:// (TLS). Redis being down or slow "
+        "never fails or delays a request: routing falls back to local state "
+        "(see docs/several-routers.md)",
+    )
+    g.add_argument(
+        "--state-store-heartbeat-secs",
+        type=float,
+        default=0.5,
+        help="--state-store: how often a router shares its load and reads the others'; "
+        "a router silent for 4 heartbeats (at least 1 s) is dropped with its load",
+    )
+    g.add_argument(
+        "--state-store-stream-len",
+        type=int,
+        default=100_000,
+        help="--state-store: routing decisions kept in the Redis stream (MAXLEN ~) for "
+        "routers that restart or fall behind to catch up from",
+    )
     n = p.add_argument_group("network")
     n.add_argument("--host", default="127.0.0.1", help="address to listen on")
     n.add_argument("--port", type=int, default=30000, help="port to listen on")

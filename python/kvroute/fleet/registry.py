@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from kvroute.config import Settings
@@ -84,6 +84,9 @@ class Registry:
         self.workers: dict[str, Worker] = {}
         self._on_down = on_down
         self._on_added = on_added
+        # Requests other router replicas have in flight per worker (--state-store:
+        # ``kvroute.fleet.shared``), added to this router's own in ``loads``.
+        self.peer_load: Mapping[str, int] = {}
 
     def add(self, url: str) -> Worker:
         if url in self.workers:
@@ -104,8 +107,16 @@ class Registry:
         return w
 
     def loads(self, exclude: set[str] | frozenset[str] = frozenset()) -> dict[str, int]:
-        """In-flight count of every worker that can take a request now."""
+        """In-flight count of every worker that can take a request now (this router's,
+        plus other routers' when they share their load)."""
         now = time.monotonic()
+        peer = self.peer_load
+        if peer:
+            return {
+                u: w.in_flight + peer.get(u, 0)
+                for u, w in self.workers.items()
+                if u not in exclude and w.available(now)
+            }
         return {
             u: w.in_flight for u, w in self.workers.items() if u not in exclude and w.available(now)
         }

@@ -76,9 +76,14 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
         task = asyncio.create_task(health_loop(state))
         if state.subscriber is not None:
             await asyncio.to_thread(state.subscriber.start)
+        if state.store is not None:
+            state.store.on_removed = release_worker
+            await state.store.start()
         try:
             yield
         finally:
+            if state.store is not None:
+                await state.store.stop()
             if state.subscriber is not None:
                 await asyncio.to_thread(state.subscriber.stop)
             task.cancel()
@@ -265,6 +270,8 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
             await add_event_source(url, kv_events)
         existed = url in state.registry.workers
         state.registry.add(url)
+        if state.store is not None:
+            state.store.worker_added(url)
         return JSONResponse({"url": url, "added": not existed}, status_code=200 if existed else 201)
 
     async def add_event_source(url: str, kv_events: Any) -> None:
@@ -293,11 +300,23 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
         target = unquote(url).rstrip("/")
         if state.registry.remove(target) is None:
             raise NotFoundError(f"no worker {target!r}")
+        if state.store is not None:
+            state.store.worker_removed(target)
+        await release_worker(target)
+        return JSONResponse({"url": target, "removed": True})
+
+    async def release_worker(target: str) -> None:
+        """What a removed worker held beyond the registry: event source, connections."""
         if state.subscriber is not None and target in state.subscriber.sources:
             await asyncio.to_thread(state.subscriber.remove_source, target)
         if state.pools is not None:
             await state.pools.drop(target)
-        return JSONResponse({"url": target, "removed": True})
+
+    @app.get("/routers")
+    async def list_routers(request: Request) -> Response:
+        """Live router replicas sharing this router's --state-store (empty without)."""
+        check_api_key(request)
+        return Response(orjson.dumps(state.routers_json()), media_type="application/json")
 
     @app.post("/flush_cache")
     async def flush_cache(request: Request) -> Response:

@@ -11,7 +11,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import httpx
 
@@ -29,6 +29,7 @@ from kvroute.service.upstream import Forward, PerWorkerPools
 @dataclass
 class RouterState:
     settings: Settings
+    # A DigestIndex (same methods) with --state-store, so peers' decisions apply to it.
     index: PrefixIndex
     policy: Policy
     registry: Registry
@@ -46,6 +47,7 @@ class RouterState:
     polls_engine: bool = False
     others: dict[str, int] = field(default_factory=dict)
     subscriber: Any = None
+    store: Any = None  # kvroute.fleet.shared.StateStore with --state-store
     # Set by ``kvroute serve`` on SIGTERM: the server stops accepting and, once the grace
     # period runs out, cancels what is still in flight.
     draining: bool = False
@@ -58,12 +60,24 @@ class RouterState:
         self.forward = Forward(self.client, transport)
 
     def snapshot(self) -> dict[str, Any]:
-        return {
+        snap = {
             "workers": self.workers_json(),
             "index": self.index.stats(),
             "tokenizer": self.tokenizer.cache_stats(),
             "asyncio_tasks": _task_count(),
         }
+        if self.store is not None:
+            snap["routers"] = self.routers_json()
+        return snap
+
+    def routers_json(self) -> list[dict[str, Any]]:
+        """Live router replicas sharing this store (this one included, ``self``)."""
+        store = self.store
+        if store is None:
+            return []
+        return [
+            {**info, "self": rid == store.id} for rid, info in sorted(store.routers.items())
+        ]
 
     def workers_json(self) -> list[dict[str, Any]]:
         now = time.monotonic()
@@ -80,9 +94,15 @@ class RouterState:
                 "mode": self.events.mode(w.url) if self.events is not None else "approximate",
                 "capacity": self.worker_capacity(w.url),
                 "external_load": self.others.get(w.url) if self.polls_engine else None,
+                **self._peer_json(w.url),
             }
             for w in self.registry.workers.values()
         ]
+
+    def _peer_json(self, url: str) -> dict[str, Any]:
+        if self.store is None:
+            return {}
+        return {"peer_in_flight": self.store.peer_load.get(url, 0)}
 
     def worker_capacity(self, url: str) -> int | None:
         """The saturation guard's capacity for ``url``: fixed, learned, or None."""
@@ -100,10 +120,16 @@ def _task_count() -> int:
 
 
 def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) -> RouterState:
-    index = PrefixIndex(settings.max_tree_size)
+    index: Any
+    if settings.state_store:
+        from kvroute.fleet.shared import DigestIndex
+
+        index = DigestIndex(settings.max_tree_size)
+    else:
+        index = PrefixIndex(settings.max_tree_size)
     policy = create_policy(
         settings.policy,
-        index,
+        cast(PrefixIndex, index),  # DigestIndex: the same methods, duck-typed
         cache_threshold=settings.cache_threshold,
         balance_abs_threshold=settings.balance_abs_threshold,
         balance_rel_threshold=settings.balance_rel_threshold,
@@ -142,7 +168,31 @@ def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) ->
         setup_precise(state)
     for url in settings.worker_urls:
         registry.add(url)
+    if settings.state_store:
+        setup_store(state)
     return state
+
+
+def setup_store(state: RouterState) -> None:
+    """--state-store: share decisions, load and workers with the other routers (the
+    store's task starts in the app's lifespan)."""
+    from kvroute import __version__
+    from kvroute.fleet.shared import DigestIndex, StateStore, StoreURL
+    from kvroute.fleet.shared.metrics import StoreCollector
+
+    s = state.settings
+    store = StateStore(
+        StoreURL(cast(str, s.state_store)),
+        state.registry,
+        state.index if isinstance(state.index, DigestIndex) else None,
+        router_url=f"http://{s.host}:{s.port}",
+        version=__version__,
+        heartbeat_s=s.state_store_heartbeat_secs,
+        stream_len=s.state_store_stream_len,
+    )
+    state.store = store
+    state.registry.peer_load = store.peer_load
+    state.metrics.registry.register(StoreCollector(store))
 
 
 def _chain_on_down(state: RouterState, hook: Callable[[str], None]) -> None:

@@ -38,6 +38,17 @@ def _table(head: list[str], rows: list[list[Any]]) -> str:
     return f"<table><tr>{th}</tr>{body}</table>"
 
 
+def _routers(snapshot: dict[str, Any]) -> str:
+    """Live router replicas (--state-store), or nothing without a store."""
+    if "routers" not in snapshot:
+        return ""
+    rows = [
+        [r.get("id", "?") + (" (this one)" if r.get("self") else ""), r.get("url", "?")]
+        for r in snapshot["routers"]
+    ]
+    return f"<h2>Routers sharing state ({len(rows)} live)</h2>\n" + _table(["id", "url"], rows)
+
+
 def render(
     *,
     policy: str,
@@ -88,7 +99,7 @@ th{{background:#f3f3f3}}</style></head><body>
 asyncio tasks {snapshot["asyncio_tasks"]}</p>
 <h2>Workers</h2>
 {workers_table}
-<h2>Routing decisions</h2>
+{_routers(snapshot)}<h2>Routing decisions</h2>
 {_table(["reason", "requests", "share"], decision_rows)}
 <h2>Cache</h2>
 <p>{escape(reuse)}</p>

@@ -1,0 +1,358 @@
+"""The shared-state client: one background task per router talking to Redis.
+
+Nothing on the request path waits for Redis. A routing decision is appended to a bounded
+in-memory buffer (``publish_insert``, O(1); when the buffer is full the oldest entry is
+dropped and counted) and a background task drains it into the stream in pipelined
+batches. Another task reads the other routers' entries (``XREAD BLOCK`` from the last id
+seen) and applies them to the local index and fleet; a third rewrites this router's
+heartbeat (announce + in-flight per worker, with a TTL) and reads the others'. While
+Redis is down, slow or unreachable these tasks fail, the router routes on its local
+state, peers' load is forgotten, and the connection is retried with exponential backoff
+(0.1 s doubling to 5 s); once back, the buffered decisions and membership changes are
+published and the stream is read on from the last id seen.
+
+Why a Stream and not pub/sub: pub/sub forgets a message a subscriber was not connected
+for, silently. A stream keeps the last ``stream_len`` entries with ids, so a router that
+lost its connection, was slow or restarted reads on from its last id and misses nothing
+unless it fell more than ``stream_len`` entries behind (detected: a ``gap`` is counted
+and the worker list is reconciled from the ``workers`` hash). A new router replays the
+whole retained stream at start, so it begins with the fleet's recent routing state
+instead of an empty index. ``MAXLEN ~`` keeps memory bounded (about 200 bytes plus 8 per
+16 prompt tokens per entry).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvroute.config import ConfigError, normalize_worker_url
+from kvroute.fleet.registry import Registry
+from kvroute.fleet.shared import wire
+from kvroute.fleet.shared.digests import DigestIndex
+
+log = logging.getLogger("kvroute.fleet.shared")
+
+BATCH = 512  # stream entries per pipelined round trip
+READ_COUNT = 1000
+READ_BLOCK_MS = 500
+BACKOFF_MIN_S, BACKOFF_MAX_S = 0.1, 5.0
+
+
+@dataclass
+class StoreCounters:
+    published: int = 0
+    applied: dict[str, int] = field(default_factory=lambda: {"insert": 0, "added": 0, "removed": 0})
+    dropped: int = 0
+    malformed: int = 0
+    errors: int = 0
+    gaps: int = 0
+    connects: int = 0
+    lag_s: float = 0.0  # publish -> apply, of the last peer entry applied
+
+
+class StateStore:
+    """This router's view of the shared state; ``peer_load`` is its main output.
+
+    ``peer_load``: per worker, the requests other live routers have in flight on it
+    (summed; a router whose heartbeat expired counts for nothing). The dict is updated in
+    place, so holders of a reference (``Registry.peer_load``, a load model) always read
+    the current value. ``routers``: the live routers (this one included), id -> info.
+    """
+
+    def __init__(
+        self,
+        url: wire.StoreURL,
+        registry: Registry,
+        index: DigestIndex | None,
+        *,
+        router_url: str,
+        version: str,
+        heartbeat_s: float = 0.5,
+        stream_len: int = 100_000,
+        buffer_len: int = 10_000,
+        on_removed: Callable[[str], Awaitable[None]] | None = None,
+    ) -> None:
+        self.url = url
+        self.registry = registry
+        self.index = index
+        self.id = os.urandom(6).hex()
+        self._rid = self.id.encode()
+        self.heartbeat_s = heartbeat_s
+        self.ttl_ms = max(int(heartbeat_s * 4000), 1000)
+        self.stream_len = stream_len
+        self.on_removed = on_removed
+        self.info = orjson.dumps(
+            {"id": self.id, "url": router_url, "version": version, "started": time.time()}
+        )
+        self.peer_load: dict[str, int] = {}
+        self.routers: dict[str, dict[str, Any]] = {}
+        self.counters = StoreCounters()
+        self.connected = False
+        self._buf: deque[tuple[str, bytes]] = deque()
+        self._buf_len = buffer_len
+        self._members: deque[tuple[bytes, str]] = deque(maxlen=buffer_len)
+        self._seed = list(registry.workers)  # the command line's workers, shared at start
+        self._last_id = b"0"  # replay the retained stream at start
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._client: aioredis.Redis | None = None
+        self._background: set[asyncio.Task[None]] = set()
+        if index is not None:
+            index.on_insert = self.publish_insert
+
+    # ------------------------------------------------------------- request path
+
+    def publish_insert(self, worker: str, digests: bytes) -> None:
+        """Queue a routing decision for the stream (never blocks, never raises)."""
+        if len(self._buf) >= self._buf_len:
+            self._buf.popleft()
+            self.counters.dropped += 1
+        self._buf.append((worker, digests))
+        if not self._wake.is_set():
+            self._wake.set()
+
+    def worker_added(self, url: str) -> None:
+        """The admin API added ``url`` here: share it (queued like a decision)."""
+        self._members.append((wire.ADDED, url))
+        self._wake.set()
+
+    def worker_removed(self, url: str) -> None:
+        self._members.append((wire.REMOVED, url))
+        self._wake.set()
+
+    # ------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        self._client = aioredis.from_url(
+            self.url.url,
+            socket_timeout=2.0,
+            socket_connect_timeout=1.0,
+            retry=Retry(NoBackoff(), 0),  # this class does the retrying, with backoff
+        )
+        self._task = asyncio.create_task(self._run(), name="kvroute-state-store")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._client is not None:
+            if self.connected:  # leave the live list at once rather than by TTL
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(0.5):
+                        await self._client.delete(wire.ROUTER + self.id)
+            with contextlib.suppress(Exception):
+                await self._client.aclose()
+
+    async def _run(self) -> None:
+        delay = BACKOFF_MIN_S
+        while True:
+            try:
+                await self._session()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # Redis down/slow/refusing: keep routing locally
+                self.counters.errors += 1
+                if self.connected:
+                    delay = BACKOFF_MIN_S
+                    log.warning(
+                        "state store %s lost (%s); routing on local state, reconnecting",
+                        self.url.redacted,
+                        _describe(e),
+                    )
+                self.connected = False
+                self.peer_load.clear()
+                self.routers.clear()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, BACKOFF_MAX_S)
+
+    async def _session(self) -> None:
+        client = self._client
+        assert client is not None
+        await client.ping()
+        await self._catch_up(client)
+        self.connected = True
+        self.counters.connects += 1
+        log.info("state store %s connected (router id %s)", self.url.redacted, self.id)
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._publish_loop(client))
+            tg.create_task(self._read_loop(client))
+            tg.create_task(self._heartbeat_loop(client))
+
+    async def _catch_up(self, client: aioredis.Redis) -> None:
+        """After (re)connecting: share the start-up workers and pending membership
+        changes, notice a store that lost its data or a gap in the stream, and reconcile
+        the worker list with the shared one."""
+        lost = not await client.exists(wire.WORKERS)
+        if lost or self._seed:
+            # First router on this store, or a store restarted empty: share every worker
+            # known here (the others do the same: the union survives).
+            known = list(self.registry.workers) if lost else self._seed
+            self._members.extendleft((wire.ADDED, url) for url in reversed(known))
+            self._seed = []
+        await self._flush_members(client)
+        if self._last_id != b"0":
+            latest = await client.xrevrange(wire.STREAM, count=1)
+            first = await client.xrange(wire.STREAM, count=1)
+            last = wire.parse_id(self._last_id)
+            if not latest or wire.parse_id(latest[0][0]) < last:
+                self._last_id = b"0"  # a new stream: read it from the start
+            elif first and wire.parse_id(first[0][0]) > last:
+                self.counters.gaps += 1
+                log.warning("state store: fell behind the stream's retention; resynchronised")
+        shared = {k.decode() for k in await client.hkeys(wire.WORKERS)}
+        for url in sorted(shared - set(self.registry.workers)):
+            self._apply_member(wire.ADDED, url)
+        if not lost:
+            for url in sorted(set(self.registry.workers) - shared):
+                self._apply_member(wire.REMOVED, url)
+
+    # ------------------------------------------------------------- loops
+
+    async def _publish_loop(self, client: aioredis.Redis) -> None:
+        while True:
+            if not self._buf and not self._members:
+                self._wake.clear()
+                await self._wake.wait()
+            await self._flush_members(client)
+            n = min(len(self._buf), BATCH)
+            if not n:
+                continue
+            batch = [self._buf.popleft() for _ in range(n)]
+            pipe = client.pipeline(transaction=False)
+            for worker, digests in batch:
+                pipe.xadd(
+                    wire.STREAM,
+                    wire.insert_entry(self._rid, worker, digests),  # type: ignore[arg-type]
+                    maxlen=self.stream_len,
+                    approximate=True,
+                )
+            try:
+                await pipe.execute()
+            except Exception:
+                self.counters.dropped += n  # fire-and-forget: lost with the connection
+                raise
+            self.counters.published += n
+
+    async def _flush_members(self, client: aioredis.Redis) -> None:
+        while self._members:
+            kind, url = self._members[0]
+            pipe = client.pipeline(transaction=True)
+            if kind == wire.ADDED:
+                pipe.hset(wire.WORKERS, url, b"1")
+            else:
+                pipe.hdel(wire.WORKERS, url)
+            entry = wire.member_entry(self._rid, kind, url)
+            pipe.xadd(wire.STREAM, entry, maxlen=self.stream_len, approximate=True)  # type: ignore[arg-type]
+            await pipe.execute()
+            self._members.popleft()  # only once Redis has it
+
+    async def _read_loop(self, client: aioredis.Redis) -> None:
+        while True:
+            got = await client.xread(
+                {wire.STREAM: self._last_id}, count=READ_COUNT, block=READ_BLOCK_MS
+            )
+            for _stream, entries in got or ():
+                for entry_id, fields in entries:
+                    self._last_id = entry_id
+                    self._apply(fields)
+
+    async def _heartbeat_loop(self, client: aioredis.Redis) -> None:
+        while True:
+            await self._beat(client)
+            await asyncio.sleep(self.heartbeat_s)
+
+    async def _beat(self, client: aioredis.Redis) -> None:
+        key = wire.ROUTER + self.id
+        mine: dict[str, Any] = {"info": self.info}
+        for url, w in self.registry.workers.items():
+            if w.in_flight > 0:
+                mine[wire.LOAD_FIELD + url] = w.in_flight
+        pipe = client.pipeline(transaction=True)
+        pipe.delete(key)
+        pipe.hset(key, mapping=mine)
+        pipe.pexpire(key, self.ttl_ms)
+        await pipe.execute()
+        keys = [k async for k in client.scan_iter(match=wire.ROUTER + "*", count=100)]
+        pipe = client.pipeline(transaction=False)
+        for k in keys:
+            pipe.hgetall(k)
+        rows = await pipe.execute()
+        routers: dict[str, dict[str, Any]] = {}
+        load: dict[str, int] = {}
+        for k, row in zip(keys, rows, strict=True):
+            if not row:
+                continue  # expired between SCAN and HGETALL
+            rid = k.decode()[len(wire.ROUTER) :]
+            try:
+                routers[rid] = orjson.loads(row.get(b"info", b"{}"))
+            except orjson.JSONDecodeError:
+                routers[rid] = {"id": rid}
+            if rid == self.id:
+                continue
+            for f, v in row.items():
+                if f.startswith(b"l:") and v.isdigit():
+                    url = f[2:].decode()
+                    load[url] = load.get(url, 0) + int(v)
+        self.peer_load.clear()
+        self.peer_load.update(load)
+        self.routers = routers
+
+    # ------------------------------------------------------------- applying
+
+    def _apply(self, fields: dict[bytes, bytes]) -> None:
+        if fields.get(b"r") == self._rid:
+            return  # our own entry: applied when it was decided
+        kind = fields.get(b"k")
+        try:
+            worker = normalize_worker_url(fields[b"w"].decode())
+        except (KeyError, UnicodeDecodeError, ConfigError):
+            self.counters.malformed += 1
+            return
+        if kind == wire.INSERT:
+            digests = fields.get(b"h", b"")
+            if len(digests) % 8:
+                self.counters.malformed += 1
+                return
+            if self.index is not None and worker in self.registry.workers:
+                self.index.insert_digests(worker, digests)
+                self.counters.applied["insert"] += 1
+            t = fields.get(b"t", b"")
+            if t.isdigit():
+                self.counters.lag_s = max(wire.now_ms() - int(t), 0) / 1000
+        elif kind in (wire.ADDED, wire.REMOVED):
+            self._apply_member(kind, worker)
+        else:
+            self.counters.malformed += 1
+
+    def _apply_member(self, kind: bytes, url: str) -> None:
+        if kind == wire.ADDED:
+            if url not in self.registry.workers:
+                self.registry.add(url)
+                self.counters.applied["added"] += 1
+        elif self.registry.remove(url) is not None:
+            self.counters.applied["removed"] += 1
+            if self.on_removed is not None:
+                task = asyncio.get_running_loop().create_task(self.on_removed(url))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+
+
+def _describe(e: BaseException) -> str:
+    """An error's type and message (redis-py's name host and port, never the password)."""
+    if isinstance(e, BaseExceptionGroup):
+        return ", ".join(_describe(x) for x in e.exceptions)
+    return f"{type(e).__name__}: {e}"
