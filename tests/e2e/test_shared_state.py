@@ -7,6 +7,8 @@ bounded poll for a condition, never a sleep standing in for one.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -124,9 +126,7 @@ def test_load_through_one_router_steers_another(
     r1, r2 = routers(2, [w.url for w in ws], redis_server.url)
     hot = group_prompt(0, 0)
     results: list[httpx.Response] = []
-    threads = [
-        threading.Thread(target=lambda: results.append(ask(r1, hot))) for _ in range(8)
-    ]
+    threads = [threading.Thread(target=lambda: results.append(ask(r1, hot))) for _ in range(8)]
     for t in threads:
         t.start()
 
@@ -205,9 +205,7 @@ def test_redis_killed_mid_run(
     try:
         assert wait_until(lambda: sent >= 20)
         redis_server.kill()
-        assert wait_until(
-            lambda: all(metric(r, "kvroute_state_store_connected") == 0 for r in rs)
-        )
+        assert wait_until(lambda: all(metric(r, "kvroute_state_store_connected") == 0 for r in rs))
         during = sent
         assert wait_until(lambda: sent >= during + 40)  # routing goes on without Redis
         back = RedisServer(tmp_path, port=redis_server.port)  # empty: no persistence
@@ -235,3 +233,41 @@ def test_redis_killed_mid_run(
 def _same_home(router: Server, home: str) -> bool:
     resp = ask(router, group_prompt(42, 1))
     return resp.status_code == 200 and resp.headers["x-kvroute-worker"] == home
+
+
+def test_password_never_appears(tmp_path: Path, processes: list[Server], routers: Routers) -> None:
+    secret = "s3cret-Redis-pa55"
+    server = RedisServer(tmp_path, password=secret)
+    try:
+        ws = workers(tmp_path, processes, 1)
+        (good,) = routers(1, [ws[0].url], server.url, "--log-level", "debug")
+        wrong = server.url.replace(secret, secret[::-1])
+        (bad,) = routers(1, [ws[0].url], wrong, "--log-level", "debug")
+        assert wait_until(lambda: metric(good, "kvroute_state_store_connected") == 1)
+        assert wait_until(lambda: metric(bad, "kvroute_state_store_errors_total") >= 2)
+        assert ask(good, group_prompt(0, 0)).status_code == 200
+        assert ask(bad, group_prompt(0, 0)).status_code == 200  # no store: local routing
+        server.kill()  # connection-lost messages too
+        assert wait_until(lambda: metric(good, "kvroute_state_store_connected") == 0)
+        pages = [
+            httpx.get(r.url + p, timeout=5).text
+            for r in (good, bad)
+            for p in ("/status", "/metrics", "/workers", "/routers")
+        ]
+    finally:
+        server.stop()
+    for r in (good, bad):
+        r.stop()
+    logs = [r.log_tail(10_000) for r in (good, bad)]
+    assert "state store" in logs[0] and "127.0.0.1" in logs[0]  # the logs do talk of it
+    for text in logs + pages:
+        assert secret not in text and secret[::-1] not in text
+    # A bad URL is refused at start-up without echoing it.
+    out = subprocess.run(
+        [sys.executable, "-m", "kvroute", "serve", "--state-store", f"redis://:{secret}@h:x/0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "--state-store" in out.stderr
+    assert secret not in out.stderr + out.stdout

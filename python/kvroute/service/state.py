@@ -75,9 +75,7 @@ class RouterState:
         store = self.store
         if store is None:
             return []
-        return [
-            {**info, "self": rid == store.id} for rid, info in sorted(store.routers.items())
-        ]
+        return [{**info, "self": rid == store.id} for rid, info in sorted(store.routers.items())]
 
     def workers_json(self) -> list[dict[str, Any]]:
         now = time.monotonic()

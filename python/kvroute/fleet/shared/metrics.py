@@ -46,10 +46,13 @@ class StoreCollector(Collector):
             P + "errors", "Store sessions that failed (down, slow, refused)", value=c.errors
         )
         yield CounterMetricFamily(
-            P + "gaps", "Reconnects that found the stream trimmed past the last entry read",
+            P + "gaps",
+            "Reconnects that found the stream trimmed past the last entry read",
             value=c.gaps,
         )
-        yield GaugeMetricFamily(P + "connected", "1 while the store is reachable", value=s.connected)
+        yield GaugeMetricFamily(
+            P + "connected", "1 while the store is reachable", value=s.connected
+        )
         yield GaugeMetricFamily(
             P + "lag_seconds",
             "Publish-to-apply delay of the last peer decision applied (wall clocks)",
@@ -59,7 +62,8 @@ class StoreCollector(Collector):
             P + "buffered", "Decisions waiting to be published", value=len(s._buf)
         )
         yield GaugeMetricFamily(
-            P + "live_routers", "Routers with a live heartbeat, this one included",
+            P + "live_routers",
+            "Routers with a live heartbeat, this one included",
             value=len(s.routers),
         )
         peer = GaugeMetricFamily(

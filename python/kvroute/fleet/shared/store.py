@@ -29,7 +29,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,10 +38,11 @@ import redis.asyncio as aioredis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+import kvroute.fleet.shared.wire as wire
 from kvroute.config import ConfigError, normalize_worker_url
 from kvroute.fleet.registry import Registry
-from kvroute.fleet.shared import wire
 from kvroute.fleet.shared.digests import DigestIndex
+from kvroute.fleet.shared.heartbeat import heartbeat
 
 log = logging.getLogger("kvroute.fleet.shared")
 
@@ -83,7 +84,7 @@ class StateStore:
         heartbeat_s: float = 0.5,
         stream_len: int = 100_000,
         buffer_len: int = 10_000,
-        on_removed: Callable[[str], Awaitable[None]] | None = None,
+        on_removed: Callable[[str], Coroutine[Any, Any, None]] | None = None,
     ) -> None:
         self.url = url
         self.registry = registry
@@ -205,15 +206,16 @@ class StateStore:
             self._seed = []
         await self._flush_members(client)
         if self._last_id != b"0":
-            latest = await client.xrevrange(wire.STREAM, count=1)
-            first = await client.xrange(wire.STREAM, count=1)
+            latest: Any = await client.xrevrange(wire.STREAM, count=1)
+            first: Any = await client.xrange(wire.STREAM, count=1)
             last = wire.parse_id(self._last_id)
             if not latest or wire.parse_id(latest[0][0]) < last:
                 self._last_id = b"0"  # a new stream: read it from the start
             elif first and wire.parse_id(first[0][0]) > last:
                 self.counters.gaps += 1
                 log.warning("state store: fell behind the stream's retention; resynchronised")
-        shared = {k.decode() for k in await client.hkeys(wire.WORKERS)}
+        names: Any = await client.hkeys(wire.WORKERS)
+        shared = {k.decode() for k in names}
         for url in sorted(shared - set(self.registry.workers)):
             self._apply_member(wire.ADDED, url)
         if not lost:
@@ -262,7 +264,7 @@ class StateStore:
 
     async def _read_loop(self, client: aioredis.Redis) -> None:
         while True:
-            got = await client.xread(
+            got: Any = await client.xread(
                 {wire.STREAM: self._last_id}, count=READ_COUNT, block=READ_BLOCK_MS
             )
             for _stream, entries in got or ():
@@ -276,37 +278,8 @@ class StateStore:
             await asyncio.sleep(self.heartbeat_s)
 
     async def _beat(self, client: aioredis.Redis) -> None:
-        key = wire.ROUTER + self.id
-        mine: dict[str, Any] = {"info": self.info}
-        for url, w in self.registry.workers.items():
-            if w.in_flight > 0:
-                mine[wire.LOAD_FIELD + url] = w.in_flight
-        pipe = client.pipeline(transaction=True)
-        pipe.delete(key)
-        pipe.hset(key, mapping=mine)
-        pipe.pexpire(key, self.ttl_ms)
-        await pipe.execute()
-        keys = [k async for k in client.scan_iter(match=wire.ROUTER + "*", count=100)]
-        pipe = client.pipeline(transaction=False)
-        for k in keys:
-            pipe.hgetall(k)
-        rows = await pipe.execute()
-        routers: dict[str, dict[str, Any]] = {}
-        load: dict[str, int] = {}
-        for k, row in zip(keys, rows, strict=True):
-            if not row:
-                continue  # expired between SCAN and HGETALL
-            rid = k.decode()[len(wire.ROUTER) :]
-            try:
-                routers[rid] = orjson.loads(row.get(b"info", b"{}"))
-            except orjson.JSONDecodeError:
-                routers[rid] = {"id": rid}
-            if rid == self.id:
-                continue
-            for f, v in row.items():
-                if f.startswith(b"l:") and v.isdigit():
-                    url = f[2:].decode()
-                    load[url] = load.get(url, 0) + int(v)
+        mine = {url: w.in_flight for url, w in self.registry.workers.items() if w.in_flight > 0}
+        routers, load = await heartbeat(client, self.id, self.info, mine, self.ttl_ms)
         self.peer_load.clear()
         self.peer_load.update(load)
         self.routers = routers

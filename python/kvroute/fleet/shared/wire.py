@@ -38,7 +38,13 @@ def now_ms() -> int:
 
 
 def insert_entry(router: bytes, worker: str, digests: bytes) -> dict[bytes, bytes]:
-    return {b"r": router, b"k": INSERT, b"w": worker.encode(), b"h": digests, b"t": b"%d" % now_ms()}
+    return {
+        b"r": router,
+        b"k": INSERT,
+        b"w": worker.encode(),
+        b"h": digests,
+        b"t": b"%d" % now_ms(),
+    }
 
 
 def member_entry(router: bytes, kind: bytes, worker: str) -> dict[bytes, bytes]:
