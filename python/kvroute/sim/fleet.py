@@ -86,6 +86,9 @@ class FleetConfig:
     # the guard adds what an engine holds beyond the replica's own requests (other
     # replicas', bypass traffic). None: never.
     engine_poll_s: float | None = 5.0
+    # Replicas share decisions and load through a store (--state-store) whose entries
+    # reach the others this much later; None: no store (kvroute.sim.routers).
+    state_store_delay_s: float | None = None
     seed: int = 0
 
 
@@ -194,6 +197,7 @@ def simulate(
         max_tree_size=cfg.max_tree_size,
         learner=learner,
         events=events,
+        store_delay_s=cfg.state_store_delay_s,
     )
     cost = cfg.cost
     max_batch = cost.max_batch
@@ -308,7 +312,7 @@ def simulate(
         w = bypass[r]
         if w < 0:
             t0 = perf()
-            worker = route(r, RouteRequest(tokens=cast(Sequence[int], reqs[r].tokens)))
+            worker = route(r, RouteRequest(tokens=cast(Sequence[int], reqs[r].tokens)), now)
             decision_ns += perf() - t0
             w = widx[worker]
         assigned[r] = w
