@@ -110,7 +110,7 @@ def main() -> int:
     print("|---|---|---|---|")
     for t in sizes:
         plain, shared = request_path(t, args.n)
-        print(f"| {t:,} | {plain:.1f} | {shared:.1f} | {shared - plain:+.1f} |")
+        print(f"| {t:,} | {plain:.1f} | {shared:.1f} | {shared - plain:+.1f} |", flush=True)
     server = shutil.which("redis-server")
     if server is None:
         print("\nredis-server not installed: background cost not measured")
@@ -125,8 +125,10 @@ def main() -> int:
             print("\n| prompt tokens | publish + apply in the background, CPU (µs/request) |")
             print("|---|---|")
             for t in sizes:
+                with redis.client() as c:
+                    c.flushdb()  # a fresh stream: the reader must not replay the last run
                 us = asyncio.run(background(redis.url, t, args.n))
-                print(f"| {t:,} | {us:.1f} |")
+                print(f"| {t:,} | {us:.1f} |", flush=True)
         finally:
             redis.stop()
     return 0

@@ -50,7 +50,9 @@ def main() -> int:
     )
     ap.add_argument("--workloads", default="mooncake,llmd")
     ap.add_argument("--replicas", default="1,2,3")
+    ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--store-delay-ms", type=float, default=2.0)
+    ap.add_argument("--heartbeat-ms", type=float, default=500.0, help="load sharing period")
     ap.add_argument("--trace", default=TRACE)
     ap.add_argument("--time-scale", type=float, default=1.0)
     ap.add_argument("--worker-capacity", default="auto")
@@ -65,11 +67,15 @@ def main() -> int:
         print("| replicas | mode | hit rate | TTFT p50 (s) | TTFT p90 (s) | TTFT p99 (s) |")
         print("|---|---|---|---|---|---|")
         for n in (int(x) for x in args.replicas.split(",")):
-            for mode in MODES:
+            for mode in args.modes.split(","):
                 c = replace(cfg, router_replicas=n)
                 policy = "cache_aware"
                 if mode == "approximate + store":
-                    c = replace(c, state_store_delay_s=args.store_delay_ms / 1000)
+                    c = replace(
+                        c,
+                        state_store_delay_s=args.store_delay_ms / 1000,
+                        state_store_heartbeat_s=args.heartbeat_ms / 1000,
+                    )
                 elif mode == "precise":
                     policy = "cache_aware+events"
                 t0 = time.perf_counter()

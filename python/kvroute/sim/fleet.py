@@ -89,6 +89,7 @@ class FleetConfig:
     # Replicas share decisions and load through a store (--state-store) whose entries
     # reach the others this much later; None: no store (kvroute.sim.routers).
     state_store_delay_s: float | None = None
+    state_store_heartbeat_s: float = 0.5
     seed: int = 0
 
 
@@ -198,6 +199,7 @@ def simulate(
         learner=learner,
         events=events,
         store_delay_s=cfg.state_store_delay_s,
+        heartbeat_s=cfg.state_store_heartbeat_s,
     )
     cost = cfg.cost
     max_batch = cost.max_batch

@@ -27,7 +27,8 @@ What an approximate router cannot see, modelled so precise mode can be judged on
   keys its index by block digests (``kvroute.fleet.shared.DigestIndex``) and its
   decisions reach the other replicas' indexes ``store_delay_s`` later (the Redis round
   trip and the reader's wake-up); each replica's loads add the others' in-flight counts
-  as of their last heartbeat (every ``heartbeat_s``), as ``Registry.peer_load`` does.
+  as of their last heartbeat (every ``heartbeat_s``) plus one per decision of theirs
+  delivered since, as ``StateStore.peer_load`` does.
 
 Precise mode in virtual time (``InstantEvents``): the caches report straight into the
 ``BlockIndex`` as they store, evict and clear blocks (no wire, no loss, no delay) and
@@ -157,6 +158,7 @@ class RouterTier:
             for j, ix in enumerate(self.indexes):
                 if j != k:
                     ix.insert_digests(worker, digests)
+                    self.peer[j][worker] += 1  # until the next heartbeat says better
         if now >= self._next_beat and len(self.policies) > 1:
             total = {w: sum(loads[w] for loads in self.loads) for w in self.names}
             for loads, peer in zip(self.loads, self.peer, strict=True):

@@ -10,7 +10,8 @@ router knows alone:
   the same per-worker budget: a prefix routed by router A is matched by router B, and
   every router evicts the same way. No prompt text or token ID leaves the router.
 * **Load** (``store.StateStore.peer_load``): each router rewrites its in-flight count
-  per worker into a hash with a TTL every heartbeat, and sums the other live routers'.
+  per worker into a hash with a TTL every heartbeat, and sums the other live routers';
+  between heartbeats each decision read off the stream counts one more on its worker.
   The registry adds it to its own counts (``Registry.peer_load``), so balance decisions
   and the saturation guard see the fleet's load; a crashed router's load expires with
   its hash. Any other load model can read the same mapping (worker URL -> requests

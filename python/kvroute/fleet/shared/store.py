@@ -68,7 +68,9 @@ class StateStore:
     """This router's view of the shared state; ``peer_load`` is its main output.
 
     ``peer_load``: per worker, the requests other live routers have in flight on it
-    (summed; a router whose heartbeat expired counts for nothing). The dict is updated in
+    (summed; a router whose heartbeat expired counts for nothing), as of their last
+    heartbeats, plus one for each decision a peer published since (read off the stream
+    a few ms after it was made, so a burst is seen before the next heartbeat). The dict is updated in
     place, so holders of a reference (``Registry.peer_load``, a load model) always read
     the current value. ``routers``: the live routers (this one included), id -> info.
     """
@@ -300,12 +302,18 @@ class StateStore:
             if len(digests) % 8:
                 self.counters.malformed += 1
                 return
-            if self.index is not None and worker in self.registry.workers:
+            if worker not in self.registry.workers:
+                return
+            if self.index is not None:
                 self.index.insert_digests(worker, digests)
-                self.counters.applied["insert"] += 1
+            self.counters.applied["insert"] += 1
             t = fields.get(b"t", b"")
-            if t.isdigit():
-                self.counters.lag_s = max(wire.now_ms() - int(t), 0) / 1000
+            lag_ms = max(wire.now_ms() - int(t), 0) if t.isdigit() else self.ttl_ms
+            self.counters.lag_s = lag_ms / 1000
+            if lag_ms < self.ttl_ms:
+                # A request the peer just sent there: count it until its next heartbeat
+                # reports the peer's exact load (which replaces this estimate).
+                self.peer_load[worker] = self.peer_load.get(worker, 0) + 1
         elif kind in (wire.ADDED, wire.REMOVED):
             self._apply_member(kind, worker)
         else:
