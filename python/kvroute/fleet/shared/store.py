@@ -70,9 +70,9 @@ class StateStore:
     ``peer_load``: per worker, the requests other live routers have in flight on it
     (summed; a router whose heartbeat expired counts for nothing), as of their last
     heartbeats, plus one for each decision a peer published since (read off the stream
-    a few ms after it was made, so a burst is seen before the next heartbeat). The dict is updated in
-    place, so holders of a reference (``Registry.peer_load``, a load model) always read
-    the current value. ``routers``: the live routers (this one included), id -> info.
+    a few ms after it was made, so a burst is seen before the next heartbeat). The dict
+    is updated in place, so holders of a reference (``Registry.peer_load``, a load model)
+    always read the current value. ``routers``: the live routers (this one included), id -> info.
     """
 
     def __init__(
