@@ -117,7 +117,7 @@ REDIS_SERVER = shutil.which("redis-server") or (
 )
 
 
-def wait_until(cond: Callable[[], object], timeout_s: float = 15.0) -> bool:
+def wait_until(cond: Callable[[], object], timeout_s: float = 30.0) -> bool:
     """Poll ``cond`` until it is true or ``timeout_s`` passes (bounded wait)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
