@@ -16,7 +16,8 @@ it back (``tests/test_architecture.py`` checks both).
 ``fleet/``
     The workers as the router sees them: ``registry`` (load reservations, health state,
     circuit breaker), ``health`` (active checks, engines' load read after them),
-    ``engine_load`` (parsing engines' /metrics, learned capacities).
+    ``engine_load`` (parsing engines' /metrics, learned capacities), ``shared`` (router
+    replicas sharing decisions, load and workers through Redis).
 ``routing/``
     How a worker is chosen: ``policies/`` (one module per policy; ``cache_aware`` is the
     default) and ``tokenization`` (a request -> the token IDs the engine will see).

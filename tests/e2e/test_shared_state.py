@@ -175,6 +175,8 @@ def test_worker_added_on_one_router_is_used_by_the_others(
         resp = ask(r, group_prompt(0, 0))
         assert resp.status_code == 200 and resp.headers["x-kvroute-worker"] == b.url
     assert wait_until(lambda: all(live(r) == 3 for r in (r1, r2, r3)))
+    status = httpx.get(r2.url + "/status", timeout=5).text
+    assert "Routers sharing state (3 live)" in status and r3.url in status
 
 
 def test_redis_killed_mid_run(
