@@ -209,6 +209,7 @@ def test_redis_killed_mid_run(
         redis_server.kill()
         assert wait_until(lambda: all(metric(r, "kvroute_state_store_connected") == 0 for r in rs))
         during = sent
+        applied_before = applied(rs[1])  # nothing more applies while Redis is away
         assert wait_until(lambda: sent >= during + 20, 60)  # routing goes on without Redis
         back = RedisServer(tmp_path, port=redis_server.port)  # empty: no persistence
         processes_stop = back
@@ -227,14 +228,19 @@ def test_redis_killed_mid_run(
             assert {k.decode() for k in c.hkeys("kvroute:workers")} == {w.url for w in ws}
         first = ask(rs[0], group_prompt(42, 0))
         home = first.headers["x-kvroute-worker"]
-        assert wait_until(lambda: _same_home(rs[1], home), 60)
+        assert wait_until(lambda: metric(rs[0], "kvroute_state_store_buffered") == 0)
+        r0 = next(r["id"] for r in httpx.get(rs[0].url + "/routers").json() if r["self"])
+        with back.client() as c:
+            mine = [f for _, f in c.xrange("kvroute:stream") if f[b"r"] == r0.encode()]
+        assert mine[-1][b"w"] == home.encode()  # router 0's decisions, resent after the outage
+        # Router 1 reads the new stream from its start: once it has applied all of them,
+        # it routes the new group where router 0 did.
+        want = applied_before + sum(1 for f in mine if f[b"k"] == b"i")
+        assert wait_until(lambda: applied(rs[1]) >= want, 60), (applied(rs[1]), want)
+        second = ask(rs[1], group_prompt(42, 1))
+        assert second.headers["x-kvroute-worker"] == home
     finally:
         processes_stop.stop()
-
-
-def _same_home(router: Server, home: str) -> bool:
-    resp = ask(router, group_prompt(42, 1))
-    return resp.status_code == 200 and resp.headers["x-kvroute-worker"] == home
 
 
 def test_password_never_appears(tmp_path: Path, processes: list[Server], routers: Routers) -> None:

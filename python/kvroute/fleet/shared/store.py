@@ -179,6 +179,9 @@ class StateStore:
                 self.connected = False
                 self.peer_load.clear()
                 self.routers.clear()
+                if self._client is not None:  # pooled sockets to a dead server: drop them
+                    with contextlib.suppress(Exception):
+                        await self._client.connection_pool.disconnect()
             await asyncio.sleep(delay)
             delay = min(delay * 2, BACKOFF_MAX_S)
 
