@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from kvroute.eval.procs import Server
+from kvroute.fleet.shared.wire import unpack_inserts
 from support import (
     REDIS_SERVER,
     RedisServer,
@@ -204,6 +205,7 @@ def test_redis_killed_mid_run(
 
     client = threading.Thread(target=traffic)
     client.start()
+    back: RedisServer | None = None
     try:
         assert wait_until(lambda: sent >= 20)
         redis_server.kill()
@@ -212,11 +214,14 @@ def test_redis_killed_mid_run(
         applied_before = applied(rs[1])  # nothing more applies while Redis is away
         assert wait_until(lambda: sent >= during + 20, 60)  # routing goes on without Redis
         back = RedisServer(tmp_path, port=redis_server.port)  # empty: no persistence
-        processes_stop = back
         assert wait_until(
             lambda: all(metric(r, "kvroute_state_store_connected") == 1 for r in rs), 60
         )
         assert wait_until(lambda: all(live(r) == 2 for r in rs))
+    except BaseException:
+        if back is not None:
+            back.stop()
+        raise
     finally:
         stop.set()
         client.join(timeout=30)
@@ -232,15 +237,18 @@ def test_redis_killed_mid_run(
         r0 = next(r["id"] for r in httpx.get(rs[0].url + "/routers").json() if r["self"])
         with back.client() as c:
             mine = [f for _, f in c.xrange("kvroute:stream") if f[b"r"] == r0.encode()]
-        assert mine[-1][b"w"] == home.encode()  # router 0's decisions, resent after the outage
+        last = list(unpack_inserts(mine[-1][b"b"]))[-1]
+        assert last[0] == home.encode()  # router 0's decisions, resent after the outage
         # Router 1 reads the new stream from its start: once it has applied all of them,
         # it routes the new group where router 0 did.
-        want = applied_before + sum(1 for f in mine if f[b"k"] == b"i")
+        want = applied_before + sum(
+            len(list(unpack_inserts(f[b"b"]))) for f in mine if f[b"k"] == b"i"
+        )
         assert wait_until(lambda: applied(rs[1]) >= want, 60), (applied(rs[1]), want)
         second = ask(rs[1], group_prompt(42, 1))
         assert second.headers["x-kvroute-worker"] == home
     finally:
-        processes_stop.stop()
+        back.stop()
 
 
 def test_password_never_appears(tmp_path: Path, processes: list[Server], routers: Routers) -> None:

@@ -13,7 +13,7 @@ from kvroute._native import PrefixIndex
 from kvroute.config import ConfigError, Settings, StoreURL
 from kvroute.eval.procs import free_port
 from kvroute.fleet.registry import Registry
-from kvroute.fleet.shared import BLOCK_SIZE, DigestIndex, StateStore, block_digests
+from kvroute.fleet.shared import BLOCK_SIZE, DigestIndex, StateStore, block_digests, wire
 
 
 def prompt(seed: int, n: int) -> array.array[int]:
@@ -117,3 +117,12 @@ async def test_no_redis_never_blocks_and_the_buffer_stays_bounded() -> None:
         assert index.match(prompt(299, 64)) == {"http://127.0.0.1:1": 64}  # local state
     finally:
         await store.stop()
+
+
+def test_decisions_pack_into_one_entry_and_bad_blobs_are_refused() -> None:
+    decisions = [("http://w1:8000", b"\x01" * 16), ("http://w2:8000", b"\x02" * 8)]
+    blob = wire.pack_inserts(decisions)
+    assert [(u.decode(), d) for u, d in wire.unpack_inserts(blob)] == decisions
+    for bad in (blob[:-1], blob[:3], wire.pack_inserts([("http://w:1", b"\x00" * 7)])):
+        with pytest.raises(ValueError):
+            list(wire.unpack_inserts(bad))

@@ -124,8 +124,8 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--state-store-stream-len",
         type=int,
         default=100_000,
-        help="--state-store: routing decisions kept in the Redis stream (MAXLEN ~) for "
-        "routers that restart or fall behind to catch up from",
+        help="--state-store: entries kept in the Redis stream (MAXLEN ~; an entry holds up "
+        "to 64 routing decisions) for routers that restart or fall behind to catch up from",
     )
     n = p.add_argument_group("network")
     n.add_argument("--host", default="127.0.0.1", help="address to listen on")

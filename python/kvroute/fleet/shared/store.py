@@ -17,8 +17,8 @@ lost its connection, was slow or restarted reads on from its last id and misses 
 unless it fell more than ``stream_len`` entries behind (detected: a ``gap`` is counted
 and the worker list is reconciled from the ``workers`` hash). A new router replays the
 whole retained stream at start, so it begins with the fleet's recent routing state
-instead of an empty index. ``MAXLEN ~`` keeps memory bounded (about 200 bytes plus 8 per
-16 prompt tokens per entry).
+instead of an empty index. ``MAXLEN ~`` keeps memory bounded (an entry holds up to 64
+decisions of about 40 bytes plus 8 per 16 prompt tokens each).
 """
 
 from __future__ import annotations
@@ -240,10 +240,10 @@ class StateStore:
                 continue
             batch = [self._buf.popleft() for _ in range(n)]
             pipe = client.pipeline(transaction=False)
-            for worker, digests in batch:
+            for i in range(0, n, wire.PER_ENTRY):
                 pipe.xadd(
                     wire.STREAM,
-                    wire.insert_entry(self._rid, worker, digests),  # type: ignore[arg-type]
+                    wire.insert_entry(self._rid, batch[i : i + wire.PER_ENTRY]),  # type: ignore[arg-type]
                     maxlen=self.stream_len,
                     approximate=True,
                 )
@@ -295,32 +295,40 @@ class StateStore:
         if fields.get(b"r") == self._rid:
             return  # our own entry: applied when it was decided
         kind = fields.get(b"k")
-        try:
-            worker = normalize_worker_url(fields[b"w"].decode())
-        except (KeyError, UnicodeDecodeError, ConfigError):
-            self.counters.malformed += 1
-            return
         if kind == wire.INSERT:
-            digests = fields.get(b"h", b"")
-            if len(digests) % 8:
-                self.counters.malformed += 1
-                return
-            if worker not in self.registry.workers:
-                return
-            if self.index is not None:
-                self.index.insert_digests(worker, digests)
-            self.counters.applied["insert"] += 1
             t = fields.get(b"t", b"")
             lag_ms = max(wire.now_ms() - int(t), 0) if t.isdigit() else self.ttl_ms
             self.counters.lag_s = lag_ms / 1000
-            if lag_ms < self.ttl_ms:
-                # A request the peer just sent there: count it until its next heartbeat
-                # reports the peer's exact load (which replaces this estimate).
-                self.peer_load[worker] = self.peer_load.get(worker, 0) + 1
-        elif kind in (wire.ADDED, wire.REMOVED):
+            try:
+                for url, digests in wire.unpack_inserts(fields.get(b"b", b"")):
+                    self._apply_insert(url, digests, recent=lag_ms < self.ttl_ms)
+            except ValueError:
+                self.counters.malformed += 1
+            return
+        worker = self._worker(fields.get(b"w", b""))
+        if worker is not None and kind in (wire.ADDED, wire.REMOVED):
             self._apply_member(kind, worker)
         else:
             self.counters.malformed += 1
+
+    def _worker(self, raw: bytes) -> str | None:
+        """A worker URL from the stream, validated (None if it is not one)."""
+        try:
+            return normalize_worker_url(raw.decode())
+        except (UnicodeDecodeError, ConfigError):
+            return None
+
+    def _apply_insert(self, raw: bytes, digests: bytes, *, recent: bool) -> None:
+        worker = raw.decode(errors="replace")
+        if worker not in self.registry.workers:
+            return  # not (or no longer) in this router's fleet: nothing to predict
+        if self.index is not None:
+            self.index.insert_digests(worker, digests)
+        self.counters.applied["insert"] += 1
+        if recent:
+            # A request the peer just sent there: count it until its next heartbeat
+            # reports the peer's exact load (which replaces this estimate).
+            self.peer_load[worker] = self.peer_load.get(worker, 0) + 1
 
     def _apply_member(self, kind: bytes, url: str) -> None:
         if kind == wire.ADDED:
