@@ -117,6 +117,14 @@ def test_prefix_groups_stick_whichever_router(
         hits = metric(r, "kvroute_routing_decisions_total", 'reason="cache_hit"')
         assert hits >= 10  # it matched the groups routers 0 and 2 first saw
 
+    # A cache flush through one router clears every router's index.
+    def cached(r: Server) -> int:
+        return sum(w["cached_tokens"] for w in httpx.get(r.url + "/workers", timeout=5).json())
+
+    assert all(cached(r) > 0 for r in rs)
+    assert httpx.post(rs[0].url + "/flush_cache", timeout=10).status_code == 200
+    assert wait_until(lambda: all(cached(r) == 0 for r in rs)), [cached(r) for r in rs]
+
 
 def test_load_through_one_router_steers_another(
     tmp_path: Path, processes: list[Server], redis_server: RedisServer, routers: Routers

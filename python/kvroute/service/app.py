@@ -332,6 +332,8 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
                 results[url] = type(e).__name__
         state.policy.clear()
         state.index.clear()
+        if state.store is not None:
+            state.store.index_cleared()
         return JSONResponse({"index_cleared": True, "workers": results})
 
     return app

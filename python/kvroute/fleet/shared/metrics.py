@@ -28,7 +28,7 @@ class StoreCollector(Collector):
         )
         applied = CounterMetricFamily(
             P + "applied",
-            "Other routers' stream entries applied here, by kind (insert, added, removed)",
+            "Other routers' decisions and changes applied here (insert, added, removed, cleared)",
             labels=["kind"],
         )
         for kind, n in c.applied.items():

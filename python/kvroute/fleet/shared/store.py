@@ -55,7 +55,9 @@ BACKOFF_MIN_S, BACKOFF_MAX_S = 0.1, 5.0
 @dataclass
 class StoreCounters:
     published: int = 0
-    applied: dict[str, int] = field(default_factory=lambda: {"insert": 0, "added": 0, "removed": 0})
+    applied: dict[str, int] = field(
+        default_factory=lambda: {"insert": 0, "added": 0, "removed": 0, "cleared": 0}
+    )
     dropped: int = 0
     malformed: int = 0
     errors: int = 0
@@ -134,6 +136,13 @@ class StateStore:
 
     def worker_removed(self, url: str) -> None:
         self._members.append((wire.REMOVED, url))
+        self._wake.set()
+
+    def index_cleared(self) -> None:
+        """The admin API flushed the workers' caches and this router's index: the
+        others clear theirs. Decisions not yet published predate the flush: dropped."""
+        self._buf.clear()
+        self._members.append((wire.CLEARED, ""))
         self._wake.set()
 
     # ------------------------------------------------------------- lifecycle
@@ -260,7 +269,7 @@ class StateStore:
             pipe = client.pipeline(transaction=True)
             if kind == wire.ADDED:
                 pipe.hset(wire.WORKERS, url, b"1")
-            else:
+            elif kind == wire.REMOVED:
                 pipe.hdel(wire.WORKERS, url)
             entry = wire.member_entry(self._rid, kind, url)
             pipe.xadd(wire.STREAM, entry, maxlen=self.stream_len, approximate=True)  # type: ignore[arg-type]
@@ -304,6 +313,11 @@ class StateStore:
                     self._apply_insert(url, digests, recent=lag_ms < self.ttl_ms)
             except ValueError:
                 self.counters.malformed += 1
+            return
+        if kind == wire.CLEARED:
+            if self.index is not None:
+                self.index.clear()
+            self.counters.applied["cleared"] += 1
             return
         worker = self._worker(fields.get(b"w", b""))
         if worker is not None and kind in (wire.ADDED, wire.REMOVED):

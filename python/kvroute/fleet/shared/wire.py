@@ -9,7 +9,8 @@ Keys (all under ``kvroute:``; one fleet per Redis database, chosen by the URL's 
     routing decisions packed in ``b`` (``pack_inserts``: per decision the worker URL and
     the prompt's block digests as little-endian u64s), one entry for many decisions
     because each Redis command costs the publisher and every reader tens of µs of
-    Python. Kinds ``a`` / ``d``: worker ``w`` added / removed.
+    Python. Kinds ``a`` / ``d``: worker ``w`` added / removed; ``c``: the workers' caches
+    were flushed (``POST /flush_cache``), every router clears its index.
 ``kvroute:workers``
     A hash, worker URL -> ``1``: the fleet as the admin API last left it.
 ``kvroute:router:<id>``
@@ -34,7 +35,7 @@ WORKERS = PREFIX + "workers"
 ROUTER = PREFIX + "router:"
 LOAD_FIELD = "l:"
 
-INSERT, ADDED, REMOVED = b"i", b"a", b"d"
+INSERT, ADDED, REMOVED, CLEARED = b"i", b"a", b"d", b"c"
 
 
 def now_ms() -> int:
