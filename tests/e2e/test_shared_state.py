@@ -295,3 +295,33 @@ def test_password_never_appears(tmp_path: Path, processes: list[Server], routers
     )
     assert out.returncode == 2 and "--state-store" in out.stderr
     assert secret not in out.stderr + out.stdout
+
+
+def test_a_crashed_routers_load_expires(
+    tmp_path: Path, processes: list[Server], redis_server: RedisServer, routers: Routers
+) -> None:
+    ws = workers(tmp_path, processes, 2)
+    for w in ws:
+        control(w, delay_s=30.0)  # held until the router dies
+    r1, r2 = routers(2, [w.url for w in ws], redis_server.url)
+    held = [
+        threading.Thread(target=lambda: _ask_quietly(r1, group_prompt(0, 0)), daemon=True)
+        for _ in range(4)
+    ]
+    for t in held:
+        t.start()
+
+    def peer_total() -> int:
+        return sum(row["peer_in_flight"] for row in httpx.get(r2.url + "/workers").json())
+
+    assert wait_until(lambda: peer_total() == 4 and live(r2) == 2), peer_total()
+    r1.kill()  # SIGKILL: no goodbye, its heartbeat hash stays until its TTL runs out
+    assert wait_until(lambda: peer_total() == 0 and live(r2) == 1), (peer_total(), live(r2))
+    assert metric(r2, "kvroute_state_store_live_routers") == 1
+
+
+def _ask_quietly(router: Server, prompt: list[int]) -> None:
+    try:
+        ask(router, prompt, timeout=60)
+    except httpx.HTTPError:
+        pass  # the router is killed under it: expected
