@@ -134,7 +134,7 @@ class Settings:
     # Router replicas sharing routing state, load and workers (kvroute.fleet.shared).
     state_store: str | None = field(default=None, repr=False)  # may hold a password
     state_store_heartbeat_secs: float = 0.5
-    state_store_stream_len: int = 100_000
+    state_store_stream_len: int = 2000
 
     def validate(self) -> Settings:
         self.worker_urls = [normalize_worker_url(u) for u in self.worker_urls]

@@ -123,9 +123,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--state-store-stream-len",
         type=int,
-        default=100_000,
+        default=2000,
         help="--state-store: entries kept in the Redis stream (MAXLEN ~; an entry holds up "
-        "to 64 routing decisions) for routers that restart or fall behind to catch up from",
+        "to 64 routing decisions, about 1 KB each for a 2,000-token prompt) for routers "
+        "that restart or fall behind to catch up from",
     )
     n = p.add_argument_group("network")
     n.add_argument("--host", default="127.0.0.1", help="address to listen on")

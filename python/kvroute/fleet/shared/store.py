@@ -18,7 +18,9 @@ unless it fell more than ``stream_len`` entries behind (detected: a ``gap`` is c
 and the worker list is reconciled from the ``workers`` hash). A new router replays the
 whole retained stream at start, so it begins with the fleet's recent routing state
 instead of an empty index. ``MAXLEN ~`` keeps memory bounded (an entry holds up to 64
-decisions of about 40 bytes plus 8 per 16 prompt tokens each).
+decisions of about 40 bytes plus 8 per 16 prompt tokens each). Entries are read 20 at a
+time, so applying a backlog (a new router's replay) holds the event loop for a few ms
+per read, never for the whole backlog.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from kvroute.fleet.shared.heartbeat import heartbeat
 log = logging.getLogger("kvroute.fleet.shared")
 
 BATCH = 512  # stream entries per pipelined round trip
-READ_COUNT = 1000
+READ_COUNT = 20  # entries per XREAD: at most 1,280 decisions applied per loop turn
 READ_BLOCK_MS = 500
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.1, 5.0
 
@@ -86,7 +88,7 @@ class StateStore:
         router_url: str,
         version: str,
         heartbeat_s: float = 0.5,
-        stream_len: int = 100_000,
+        stream_len: int = 2000,
         buffer_len: int = 10_000,
         on_removed: Callable[[str], Coroutine[Any, Any, None]] | None = None,
     ) -> None:
