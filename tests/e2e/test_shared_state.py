@@ -131,7 +131,7 @@ def test_load_through_one_router_steers_another(
 ) -> None:
     ws = workers(tmp_path, processes, 2)
     for w in ws:
-        control(w, delay_s=3.0)
+        control(w, delay_s=10.0)  # router 1's requests stay in flight while router 2 routes
     r1, r2 = routers(2, [w.url for w in ws], redis_server.url)
     hot = group_prompt(0, 0)
     results: list[httpx.Response] = []

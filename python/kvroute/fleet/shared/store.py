@@ -98,7 +98,7 @@ class StateStore:
         self.id = os.urandom(6).hex()
         self._rid = self.id.encode()
         self.heartbeat_s = heartbeat_s
-        self.ttl_ms = max(int(heartbeat_s * 4000), 1000)
+        self.ttl_ms = max(int(heartbeat_s * 4000), 2000)  # 4 heartbeats, at least 2 s
         self.stream_len = stream_len
         self.on_removed = on_removed
         self.info = orjson.dumps(
