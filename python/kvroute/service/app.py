@@ -77,7 +77,7 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
         if state.subscriber is not None:
             await asyncio.to_thread(state.subscriber.start)
         if state.store is not None:
-            state.store.on_removed = release_worker
+            state.store.members.on_removed = release_worker
             await state.store.start()
         try:
             yield

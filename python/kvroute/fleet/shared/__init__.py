@@ -20,7 +20,8 @@ router knows alone:
   shared hash and announced on the stream; every router applies them. Routers announce
   themselves with the same heartbeat, and ``/status`` and ``/workers`` show the live ones.
 
-``wire`` documents the keys; ``store`` the failure semantics and why a stream.
+``wire`` documents the keys; ``store`` the failure semantics and why a stream; ``members``
+how the worker list is kept in step; ``heartbeat`` the load and live-router records.
 """
 
 from kvroute.fleet.shared.digests import BLOCK_SIZE, DigestIndex, block_digests

@@ -31,7 +31,6 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +44,7 @@ from kvroute.config import ConfigError, normalize_worker_url
 from kvroute.fleet.registry import Registry
 from kvroute.fleet.shared.digests import DigestIndex
 from kvroute.fleet.shared.heartbeat import heartbeat
+from kvroute.fleet.shared.members import Membership
 
 log = logging.getLogger("kvroute.fleet.shared")
 
@@ -90,7 +90,6 @@ class StateStore:
         heartbeat_s: float = 0.5,
         stream_len: int = 2000,
         buffer_len: int = 10_000,
-        on_removed: Callable[[str], Coroutine[Any, Any, None]] | None = None,
     ) -> None:
         self.url = url
         self.registry = registry
@@ -100,7 +99,6 @@ class StateStore:
         self.heartbeat_s = heartbeat_s
         self.ttl_ms = max(int(heartbeat_s * 4000), 2000)  # 4 heartbeats, at least 2 s
         self.stream_len = stream_len
-        self.on_removed = on_removed
         self.info = orjson.dumps(
             {"id": self.id, "url": router_url, "version": version, "started": time.time()}
         )
@@ -110,13 +108,11 @@ class StateStore:
         self.connected = False
         self._buf: deque[tuple[str, bytes]] = deque()
         self._buf_len = buffer_len
-        self._members: deque[tuple[bytes, str]] = deque(maxlen=buffer_len)
-        self._seed = list(registry.workers)  # the command line's workers, shared at start
+        self.members = Membership(registry, self.counters.applied, buffer_len)
         self._last_id = b"0"  # replay the retained stream at start
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._client: aioredis.Redis | None = None
-        self._background: set[asyncio.Task[None]] = set()
         if index is not None:
             index.on_insert = self.publish_insert
 
@@ -133,18 +129,18 @@ class StateStore:
 
     def worker_added(self, url: str) -> None:
         """The admin API added ``url`` here: share it (queued like a decision)."""
-        self._members.append((wire.ADDED, url))
+        self.members.queue(wire.ADDED, url)
         self._wake.set()
 
     def worker_removed(self, url: str) -> None:
-        self._members.append((wire.REMOVED, url))
+        self.members.queue(wire.REMOVED, url)
         self._wake.set()
 
     def index_cleared(self) -> None:
         """The admin API flushed the workers' caches and this router's index: the
         others clear theirs. Decisions not yet published predate the flush: dropped."""
         self._buf.clear()
-        self._members.append((wire.CLEARED, ""))
+        self.members.queue(wire.CLEARED, "")
         self._wake.set()
 
     # ------------------------------------------------------------- lifecycle
@@ -213,14 +209,7 @@ class StateStore:
         """After (re)connecting: share the start-up workers and pending membership
         changes, notice a store that lost its data or a gap in the stream, and reconcile
         the worker list with the shared one."""
-        lost = not await client.exists(wire.WORKERS)
-        if lost or self._seed:
-            # First router on this store, or a store restarted empty: share every worker
-            # known here (the others do the same: the union survives).
-            known = list(self.registry.workers) if lost else self._seed
-            self._members.extendleft((wire.ADDED, url) for url in reversed(known))
-            self._seed = []
-        await self._flush_members(client)
+        lost = await self.members.connected(client, self._rid, self.stream_len)
         if self._last_id != b"0":
             latest: Any = await client.xrevrange(wire.STREAM, count=1)
             first: Any = await client.xrange(wire.STREAM, count=1)
@@ -230,22 +219,16 @@ class StateStore:
             elif first and wire.parse_id(first[0][0]) > last:
                 self.counters.gaps += 1
                 log.warning("state store: fell behind the stream's retention; resynchronised")
-        names: Any = await client.hkeys(wire.WORKERS)
-        shared = {k.decode() for k in names}
-        for url in sorted(shared - set(self.registry.workers)):
-            self._apply_member(wire.ADDED, url)
-        if not lost:
-            for url in sorted(set(self.registry.workers) - shared):
-                self._apply_member(wire.REMOVED, url)
+        await self.members.reconcile(client, lost)
 
     # ------------------------------------------------------------- loops
 
     async def _publish_loop(self, client: aioredis.Redis) -> None:
         while True:
-            if not self._buf and not self._members:
+            if not self._buf and not self.members.pending:
                 self._wake.clear()
                 await self._wake.wait()
-            await self._flush_members(client)
+            await self.members.flush(client, self._rid, self.stream_len)
             n = min(len(self._buf), BATCH)
             if not n:
                 continue
@@ -264,19 +247,6 @@ class StateStore:
                 self.counters.dropped += n  # fire-and-forget: lost with the connection
                 raise
             self.counters.published += n
-
-    async def _flush_members(self, client: aioredis.Redis) -> None:
-        while self._members:
-            kind, url = self._members[0]
-            pipe = client.pipeline(transaction=True)
-            if kind == wire.ADDED:
-                pipe.hset(wire.WORKERS, url, b"1")
-            elif kind == wire.REMOVED:
-                pipe.hdel(wire.WORKERS, url)
-            entry = wire.member_entry(self._rid, kind, url)
-            pipe.xadd(wire.STREAM, entry, maxlen=self.stream_len, approximate=True)  # type: ignore[arg-type]
-            await pipe.execute()
-            self._members.popleft()  # only once Redis has it
 
     async def _read_loop(self, client: aioredis.Redis) -> None:
         while True:
@@ -323,7 +293,7 @@ class StateStore:
             return
         worker = self._worker(fields.get(b"w", b""))
         if worker is not None and kind in (wire.ADDED, wire.REMOVED):
-            self._apply_member(kind, worker)
+            self.members.apply(kind, worker)
         else:
             self.counters.malformed += 1
 
@@ -345,18 +315,6 @@ class StateStore:
             # A request the peer just sent there: count it until its next heartbeat
             # reports the peer's exact load (which replaces this estimate).
             self.peer_load[worker] = self.peer_load.get(worker, 0) + 1
-
-    def _apply_member(self, kind: bytes, url: str) -> None:
-        if kind == wire.ADDED:
-            if url not in self.registry.workers:
-                self.registry.add(url)
-                self.counters.applied["added"] += 1
-        elif self.registry.remove(url) is not None:
-            self.counters.applied["removed"] += 1
-            if self.on_removed is not None:
-                task = asyncio.get_running_loop().create_task(self.on_removed(url))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
 
 
 def _describe(e: BaseException) -> str:
