@@ -3,12 +3,18 @@ and the fake worker's recording and control endpoints."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import redis
 
-from kvroute.eval.procs import Server, free_port, kvroute_argv, start_server
+from kvroute.eval.procs import Server, free_port, kvroute_argv, start_server, stop_process
 
 TESTS = Path(__file__).resolve().parent
 
@@ -83,11 +89,88 @@ def start_sim_worker(log_dir: Path, *flags: str) -> Server:
     return start_server(f"sim-{port}", argv, port, log_dir=str(log_dir))
 
 
-def metric(router: Server, name: str) -> float:
-    """Sum of a Prometheus metric's samples (every label set) on the router."""
+class RedisServer:
+    """A redis-server on a free loopback port, no persistence, stopped by PID."""
+
+    def __init__(self, log_dir: Path, password: str | None = None, port: int | None = None):
+        self.port = port or free_port()
+        self.password = password
+        argv = [
+            REDIS_SERVER or "redis-server",
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ]
+        if password:
+            argv += ["--requirepass", password]
+        log_dir.mkdir(parents=True, exist_ok=True)
+        with open(log_dir / f"redis-{self.port}.log", "ab") as log:
+            self.proc = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self._wait_ready()
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password)
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
+            try:
+                with self.client() as c:
+                    c.ping()
+                return
+            except redis.RedisError:
+                time.sleep(0.05)
+        self.stop()
+        raise TimeoutError("redis-server did not answer PING within 15 s")
+
+    def kill(self) -> None:
+        """SIGKILL (an outage, not a shutdown)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+
+
+REDIS_SERVER = shutil.which("redis-server") or (
+    "/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None
+)
+
+
+def wait_until(cond: Callable[[], object], timeout_s: float = 30.0) -> bool:
+    """Poll ``cond`` until it is true or ``timeout_s`` passes (bounded wait)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def metric(router: Server, name: str, *labels: str) -> float:
+    """The sum of the router's /metrics samples named ``name`` whose labels contain every
+    string of ``labels`` (0 when there is none)."""
     text = httpx.get(router.url + "/metrics", timeout=5).text
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name) and line[len(name)] in " {":
-            total += float(line.rsplit(" ", 1)[1])
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        series, _, value = line.rpartition(" ")
+        if series.split("{")[0] == name and all(x in series for x in labels):
+            total += float(value)
     return total

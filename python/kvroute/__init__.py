@@ -25,7 +25,8 @@ it back (``tests/test_architecture.py`` checks both).
     (DNS / Kubernetes sources, ``reconcile``: new workers join, vanished ones drain),
     ``budget`` (the index's per-worker budgets from the engines' reported KV capacity),
     ``urls`` (which worker URLs may be added at run time), ``models`` (what each
-    worker serves, cache partitions).
+    worker serves, cache partitions), ``shared`` (router replicas sharing decisions,
+    load and workers through Redis).
 ``routing/``
     How a worker is chosen: ``policies/`` (one module per policy; ``cache_aware`` is the
     default), ``load`` (the work model: prefill and decode in flight per worker, learned

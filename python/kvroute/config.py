@@ -10,6 +10,7 @@ import ipaddress
 import os
 import re
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from kvroute.routing.policies import POLICY_NAMES
 
@@ -44,7 +45,8 @@ _WORKER_URL = re.compile(
     r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://"
     rf"(?P<host>\[[0-9A-Fa-f:.]+\]|{_LABEL}(?:\.{_LABEL})*)"
     r"(?::(?P<port>[0-9]{1,5}))?"
-    r"(?P<path>(?:/[A-Za-z0-9._~-]*)*)"
+    # RFC 3986 path characters (unreserved, percent-encoded, sub-delims, ':', '@').
+    r"(?P<path>(?:/(?:[A-Za-z0-9._~!$&'()*+,;=:@-]|%[0-9A-Fa-f]{2})*)*)"
 )
 
 
@@ -91,6 +93,41 @@ def parse_worker_models(spec: str) -> tuple[str, list[str]]:
             "http://10.0.0.1:8000=qwen3-8b,qwen3-8b-sql-lora"
         )
     return url, models
+
+
+@dataclass(frozen=True, slots=True)
+class StoreURL:
+    """A parsed ``redis://[:password@]host:port/db`` or ``rediss://`` URL."""
+
+    url: str
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("redis", "rediss"):
+            raise ConfigError("--state-store must be redis://[:password@]host:port/db or rediss://")
+        if not parts.hostname:
+            raise ConfigError("--state-store: missing host")
+        try:
+            parts.port  # noqa: B018 - raises on a bad port
+        except ValueError:
+            raise ConfigError("--state-store: bad port") from None
+        db = parts.path.strip("/") or "0"
+        if not db.isdigit():
+            raise ConfigError("--state-store: the path must be a database number (/0)")
+
+    @property
+    def redacted(self) -> str:
+        """The URL with any password replaced (what logs and /status show)."""
+        parts = urlsplit(self.url)
+        if parts.password is None and parts.username is None:
+            return self.url
+        host = parts.hostname or ""
+        port = f":{parts.port}" if parts.port else ""
+        user = parts.username or ""
+        return f"{parts.scheme}://{user}:***@{host}{port}{parts.path}"
+
+    def __repr__(self) -> str:
+        return f"StoreURL({self.redacted!r})"
 
 
 @dataclass
@@ -176,6 +213,10 @@ class Settings:
     body_timeout_secs: float = 30.0
     keep_alive_timeout_secs: float = 5.0
     worker_url_allow: list[str] = field(default_factory=list)
+    # Router replicas sharing routing state, load and workers (kvroute.fleet.shared).
+    state_store: str | None = field(default=None, repr=False)  # may hold a password
+    state_store_heartbeat_secs: float = 0.5
+    state_store_stream_len: int = 2000
 
     def validate(self) -> Settings:
         self.worker_urls = [normalize_worker_url(u) for u in self.worker_urls]
@@ -268,6 +309,12 @@ class Settings:
         for name in ("header_timeout_secs", "body_timeout_secs", "keep_alive_timeout_secs"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
+        if self.state_store is not None:
+            StoreURL(self.state_store)  # raises ConfigError, never echoing the URL
+        if self.state_store_heartbeat_secs <= 0:
+            raise ConfigError("--state-store-heartbeat-secs must be > 0")
+        if self.state_store_stream_len < 100:
+            raise ConfigError("--state-store-stream-len must be >= 100")
         if self.log_level.lower() not in ("debug", "info", "warning", "warn", "error", "critical"):
             raise ConfigError(f"unknown --log-level {self.log_level!r}")
         if self.log_format not in ("text", "json"):

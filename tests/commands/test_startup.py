@@ -162,6 +162,9 @@ OTHER_PROGRAMS = {
     "--out",  # bench/engine/make_tiny_model.py
     "--kv-blocks",  # bench/engine/quality.py
     "--unique-chats",  # bench/soak.py
+    "--store-delay-ms",  # bench/sim_shared_state.py
+    "--replicas",  # bench/sim_shared_state.py
+    "--workloads",  # bench/sim_shared_state.py
 }
 
 

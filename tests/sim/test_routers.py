@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -235,3 +236,27 @@ def test_engine_polls_change_nothing_for_a_single_router() -> None:
 
     assert run(1, 0.1) == run(1, None)
     assert run(2, 0.1) != run(2, None)  # with two replicas the polls do change routing
+
+
+def test_replicas_sharing_a_store_place_prefixes_once() -> None:
+    reqs = [Request(0.05 * i, prompt(i % 4), 8, i % 4) for i in range(64)]
+    prep = prepare(reqs, 16)
+    cfg = FleetConfig(workers=4, cost=COST, router_replicas=3)
+    one = simulate(prep, "cache_aware", FleetConfig(workers=4, cost=COST))
+    alone = simulate(prep, "cache_aware", cfg)
+    shared = simulate(prep, "cache_aware", replace(cfg, state_store_delay_s=0.002))
+    assert alone.hit_rate < one.hit_rate
+    assert shared.hit_rate == one.hit_rate  # every prefix placed once, found by all
+    assert shared.extra["final_inflight"] == 0
+
+
+def test_a_store_decision_reaches_the_other_replicas_after_its_delay() -> None:
+    tier = RouterTier(cache_aware, worker_names(2), replicas=2, store_delay_s=1.0, heartbeat_s=60)
+    p = prompt(3)
+    first = tier.route(0, RouteRequest(tokens=p), now=0.0)  # replica 0, still running
+    tier.route(1, RouteRequest(tokens=prompt(4)), now=0.5)  # replica 1
+    assert tier.policies[1].index.match(p) == {}  # type: ignore[attr-defined]
+    assert tier.peer[1][first] == 0
+    tier.route(2, RouteRequest(tokens=prompt(5)), now=1.0)  # delivered now
+    assert tier.policies[1].index.match(p) == {first: 512}  # type: ignore[attr-defined]
+    assert tier.peer[1][first] >= 1  # replica 0's request counts on replica 1's loads

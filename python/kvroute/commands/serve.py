@@ -196,6 +196,31 @@ def configure(p: argparse.ArgumentParser) -> None:
         "reading its GET /v1/models at start and after each health check; repeat per "
         "worker. A worker whose models are unknown takes requests for any model",
     )
+    g.add_argument(
+        "--state-store",
+        default=None,
+        metavar="URL",
+        help="router replicas share their routing decisions (block digests, never "
+        "prompts), their load per worker and the worker list through Redis: "
+        "redis://[:password@]host:port/db or rediss:// (TLS). Redis being down or slow "
+        "never fails or delays a request: routing falls back to local state "
+        "(see docs/several-routers.md)",
+    )
+    g.add_argument(
+        "--state-store-heartbeat-secs",
+        type=float,
+        default=0.5,
+        help="--state-store: how often a router shares its load and reads the others'; "
+        "a router silent for 4 heartbeats (at least 2 s) is dropped with its load",
+    )
+    g.add_argument(
+        "--state-store-stream-len",
+        type=int,
+        default=2000,
+        help="--state-store: entries kept in the Redis stream (MAXLEN ~; an entry holds up "
+        "to 64 routing decisions, about 1 KB each for a 2,000-token prompt) for routers "
+        "that restart or fall behind to catch up from",
+    )
     n = p.add_argument_group("network")
     n.add_argument("--host", default="127.0.0.1", help="address to listen on")
     n.add_argument("--port", type=int, default=30000, help="port to listen on")

@@ -64,7 +64,9 @@ async def poll_engine_load(state: Checked, url: str) -> None:
         state.capacity.observe(url, *load)
     worker = state.registry.workers.get(url)
     if worker is not None:
-        state.others[url] = others_load(*load, worker.in_flight)
+        # Other routers' requests sharing their load are in the loads already.
+        routed = worker.in_flight + state.registry.peer_load.get(url, 0)
+        state.others[url] = others_load(*load, routed)
         state.work.observe_engine(url, *load, parse_kv_usage(r.content))
 
 

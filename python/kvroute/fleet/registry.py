@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from kvroute.config import Settings, normalize_worker_url, parse_worker_models
@@ -146,6 +146,9 @@ class Registry:
         for spec in settings.worker_models:
             url, names = parse_worker_models(spec)
             self.fixed_models[normalize_worker_url(url)] = named_models(names)
+        # Requests other router replicas have in flight per worker (--state-store:
+        # ``kvroute.fleet.shared``), added to this router's own in ``loads``.
+        self.peer_load: Mapping[str, int] = {}
 
     def add(self, url: str) -> Worker:
         if url in self.workers:
@@ -187,8 +190,16 @@ class Registry:
     def loads(
         self, exclude: set[str] | frozenset[str] = frozenset(), model: str | None = None
     ) -> dict[str, int]:
-        """In-flight count of every worker that can take a request for ``model`` now."""
+        """In-flight count of every worker that can take a request for ``model`` now (this
+        router's, plus other routers' when they share their load)."""
         now = time.monotonic()
+        peer = self.peer_load
+        if peer:
+            return {
+                u: w.in_flight + peer.get(u, 0)
+                for u, w in self.workers.items()
+                if u not in exclude and w.available(now) and w.serves(model)
+            }
         return {
             u: w.in_flight
             for u, w in self.workers.items()

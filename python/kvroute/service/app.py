@@ -105,9 +105,15 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
             )
         if state.subscriber is not None:
             await asyncio.to_thread(state.subscriber.start)
+        if state.store is not None:
+            state.store.members.on_removed = release_worker
+            state.store.members.on_added = probe
+            await state.store.start()
         try:
             yield
         finally:
+            if state.store is not None:
+                await state.store.stop()
             if state.subscriber is not None:
                 await asyncio.to_thread(state.subscriber.stop)
             for t in (task, discovery, sampler, budget_task):
@@ -330,6 +336,8 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
         worker = state.registry.add(url)
         if names is not None:
             state.registry.set_models(url, named_models(names), fixed=True)
+        if state.store is not None:
+            state.store.worker_added(url)
         if not existed:  # no traffic until this first check (and models read) answers
             probe(url)
         return JSONResponse(
@@ -365,6 +373,13 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
             target = normalize_worker_url(target)
         if state.registry.remove(target) is None:
             raise NotFoundError(f"no worker {target[:200]!r}")
+        if state.store is not None:
+            state.store.worker_removed(target)
+        await release_worker(target)
+        return JSONResponse({"url": target, "removed": True})
+
+    async def release_worker(target: str) -> None:
+        """What a removed worker held beyond the registry: event source, connections."""
         if state.subscriber is not None and target in state.subscriber.sources:
             await asyncio.to_thread(state.subscriber.remove_source, target)
         if state.pools is not None:
@@ -372,7 +387,12 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
                 await state.pools.drop(target)
             except Exception:  # the worker is gone either way; its pool goes with the GC
                 log.exception("closing the connections to %s failed", target)
-        return JSONResponse({"url": target, "removed": True})
+
+    @app.get("/routers")
+    async def list_routers(request: Request) -> Response:
+        """Live router replicas sharing this router's --state-store (empty without)."""
+        check_api_key(request)
+        return Response(orjson.dumps(state.routers_json()), media_type="application/json")
 
     @app.post("/flush_cache", responses=openapi.ROUTES["flush_cache"])
     async def flush_cache(request: Request) -> Response:
@@ -388,6 +408,8 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
                 results[url] = type(e).__name__
         state.policy.clear()
         state.index.clear()
+        if state.store is not None:
+            state.store.index_cleared()
         return JSONResponse({"index_cleared": True, "workers": results})
 
     return app

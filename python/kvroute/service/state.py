@@ -11,7 +11,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import httpx
 
@@ -33,6 +33,7 @@ from kvroute.service.upstream import Forward, PerWorkerPools
 @dataclass
 class RouterState:
     settings: Settings
+    # A DigestIndex (same methods) with --state-store, so peers' decisions apply to it.
     index: PrefixIndex
     policy: Policy
     registry: Registry
@@ -55,6 +56,7 @@ class RouterState:
     work: LoadModel = field(default_factory=LoadModel)
     subscriber: Any = None
     budget: IndexBudget | None = None  # default index budgets (no --max-tree-size)
+    store: Any = None  # kvroute.fleet.shared.StateStore with --state-store
     # Set by ``kvroute serve`` on SIGTERM: the server stops accepting and, once the grace
     # period runs out, cancels what is still in flight.
     draining: bool = False
@@ -72,13 +74,23 @@ class RouterState:
             self.registry.record_check(url, True)
 
     def snapshot(self) -> dict[str, Any]:
-        return {
+        snap = {
             "workers": self.workers_json(),
             "index": self.index.stats(),
             "tokenizer": self.tokenizer.cache_stats(),
             "ttft_predictions": self.metrics.prediction_stats() if self.metrics else None,
             "asyncio_tasks": _task_count(),
         }
+        if self.store is not None:
+            snap["routers"] = self.routers_json()
+        return snap
+
+    def routers_json(self) -> list[dict[str, Any]]:
+        """Live router replicas sharing this store (this one included, ``self``)."""
+        store = self.store
+        if store is None:
+            return []
+        return [{**info, "self": rid == store.id} for rid, info in sorted(store.routers.items())]
 
     def workers_json(self) -> list[dict[str, Any]]:
         now = time.monotonic()
@@ -101,9 +113,15 @@ class RouterState:
                 "external_load": self.others.get(w.url) if self.polls_engine else None,
                 "models": sorted(w.models) if w.models is not None else None,
                 "work": self.work.snapshot(w.url),
+                **self._peer_json(w.url),
             }
             for w in self.registry.workers.values()
         ]
+
+    def _peer_json(self, url: str) -> dict[str, Any]:
+        if self.store is None:
+            return {}
+        return {"peer_in_flight": self.store.peer_load.get(url, 0)}
 
     def worker_capacity(self, url: str) -> int | None:
         """The saturation guard's capacity for ``url``: fixed, learned, or None."""
@@ -129,7 +147,13 @@ def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) ->
         template_timeout_s=settings.chat_template_timeout_secs,
     )
     budget = None
-    if settings.max_tree_size is None:
+    index: Any
+    if settings.state_store:
+        from kvroute.fleet.shared import DigestIndex
+
+        # Replicas must evict alike: one budget for every worker, not each engine's own.
+        index = DigestIndex(settings.max_tree_size or settings.tree_size_fallback)
+    elif settings.max_tree_size is None:
         budget = IndexBudget(
             settings.tree_size_fallback,
             settings.max_total_tree_size,
@@ -141,7 +165,7 @@ def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) ->
         index = PrefixIndex(settings.max_tree_size)
     policy = create_policy(
         settings.policy,
-        index,
+        cast(PrefixIndex, index),  # DigestIndex: the same methods, duck-typed
         cache_threshold=settings.cache_threshold,
         balance_abs_threshold=settings.balance_abs_threshold,
         balance_rel_threshold=settings.balance_rel_threshold,
@@ -203,6 +227,8 @@ def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) ->
         setup_budget(state, budget)
     for url in settings.worker_urls:
         registry.add(url)
+    if settings.state_store:
+        setup_store(state)
     return state
 
 
@@ -224,6 +250,29 @@ def setup_budget(state: RouterState, budget: IndexBudget) -> None:
 
     registry._on_added = on_added
     _chain_on_down(state, reapply)
+
+
+def setup_store(state: RouterState) -> None:
+    """--state-store: share decisions, load and workers with the other routers (the
+    store's task starts in the app's lifespan)."""
+    from kvroute import __version__
+    from kvroute.fleet.shared import DigestIndex, StateStore, StoreURL
+    from kvroute.fleet.shared.metrics import StoreCollector
+
+    s = state.settings
+    store = StateStore(
+        StoreURL(cast(str, s.state_store)),
+        state.registry,
+        state.index if isinstance(state.index, DigestIndex) else None,
+        router_url=f"http://{s.host}:{s.port}",
+        version=__version__,
+        heartbeat_s=s.state_store_heartbeat_secs,
+        stream_len=s.state_store_stream_len,
+    )
+    state.store = store
+    state.registry.peer_load = store.peer_load
+    state.work.peer = store.peer_load
+    state.metrics.registry.register(StoreCollector(store))
 
 
 def _chain_on_down(state: RouterState, hook: Callable[[str], None]) -> None:

@@ -181,6 +181,17 @@ def _health(w: dict[str, Any]) -> str:
     return f"down: {w['down_reason'] or 'circuit open'}"
 
 
+def _routers(snapshot: dict[str, Any]) -> str:
+    """Live router replicas (--state-store), or nothing without a store."""
+    if "routers" not in snapshot:
+        return ""
+    rows = [
+        [r.get("id", "?") + (" (this one)" if r.get("self") else ""), r.get("url", "?")]
+        for r in snapshot["routers"]
+    ]
+    return f"<h2>Routers sharing state ({len(rows)} live)</h2>\n" + _table(["id", "url"], rows)
+
+
 def render(
     *,
     policy: str,
@@ -245,7 +256,7 @@ font-size:.8em}}</style>
 asyncio tasks {snapshot["asyncio_tasks"]}</p>
 <h2>Workers</h2>
 {workers_table}
-<h2>Routing decisions</h2>
+{_routers(snapshot)}<h2>Routing decisions</h2>
 {_table(["reason", "requests", "share"], decision_rows)}
 {charts(history)}
 <h2>Time to first token</h2>

@@ -100,6 +100,10 @@ class FleetConfig:
     engine_poll_s: float | None = 5.0
     # Per worker cost models (heterogeneous fleet); None: ``cost`` for every worker.
     worker_costs: tuple[CostModel, ...] | None = None
+    # Replicas share decisions and load through a store (--state-store) whose entries
+    # reach the others this much later; None: no store (kvroute.sim.routers).
+    state_store_delay_s: float | None = None
+    state_store_heartbeat_s: float = 0.5
     seed: int = 0
 
     def costs(self) -> list[CostModel]:
@@ -223,6 +227,8 @@ def simulate(
         max_tree_size=cfg.max_tree_size,
         learner=learner,
         events=events,
+        store_delay_s=cfg.state_store_delay_s,
+        heartbeat_s=cfg.state_store_heartbeat_s,
     )
     costs = cfg.costs()
     running = [0] * nw

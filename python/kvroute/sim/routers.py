@@ -23,6 +23,13 @@ What an approximate router cannot see, modelled so precise mode can be judged on
   engine holds beyond its own (``others``), which the saturation guard adds to the
   replica's own load.
 
+* **A shared store** (``store_delay_s``, ``kvroute serve --state-store``): each replica
+  keys its index by block digests (``kvroute.fleet.shared.DigestIndex``) and its
+  decisions reach the other replicas' indexes ``store_delay_s`` later (the Redis round
+  trip and the reader's wake-up); each replica's loads add the others' in-flight counts
+  as of their last heartbeat (every ``heartbeat_s``) plus one per decision of theirs
+  delivered since, as ``StateStore.peer_load`` does.
+
 Work (``kvroute.routing.load``): each replica keeps its own ``LoadModel``, shared with
 its policy (``min_ttft``, ``cache_aware`` on the work metric), and reserves each routed
 request's predicted work in the same step as its load, exactly as ``serve`` does; the
@@ -38,12 +45,15 @@ every worker is trusted, as the router does with ``--kv-events`` and every worke
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import numpy as np
 
 from kvroute._native import BlockIndex, PrefixIndex
 from kvroute.fleet.engine_load import CapacityLearner
+from kvroute.fleet.shared import DigestIndex
 from kvroute.routing.load import LoadModel, Ticket
 from kvroute.routing.policies.base import Decision, Policy, RouteRequest
 from kvroute.sim.cache import PrefixCache
@@ -103,11 +113,27 @@ class RouterTier:
         max_tree_size: int | None = None,
         learner: CapacityLearner | None = None,
         events: InstantEvents | None = None,
+        store_delay_s: float | None = None,
+        heartbeat_s: float = 0.5,
     ) -> None:
         if replicas < 1:
             raise ValueError("router replicas must be >= 1")
         self.names = list(names)
-        self.policies = [make(PrefixIndex(max_tree_size)) for _ in range(replicas)]
+        self.shared = store_delay_s is not None
+        self.store_delay_s = store_delay_s or 0.0
+        self.heartbeat_s = heartbeat_s
+        # Published decisions in flight to the store: (visible at, publisher, worker, digests).
+        self._wire: deque[tuple[float, int, str, bytes]] = deque()
+        self._now = 0.0
+        self._next_beat = 0.0
+        if self.shared:
+            self.indexes = [DigestIndex(max_tree_size) for _ in range(replicas)]
+            for k, ix in enumerate(self.indexes):
+                ix.on_insert = self._publisher(k)
+            self.policies = [make(cast(PrefixIndex, ix)) for ix in self.indexes]
+        else:
+            self.policies = [make(PrefixIndex(max_tree_size)) for _ in range(replicas)]
+        self.peer: list[dict[str, int]] = [dict.fromkeys(self.names, 0) for _ in self.policies]
         self.loads: list[dict[str, int]] = [dict.fromkeys(self.names, 0) for _ in self.policies]
         self.others: list[dict[str, int]] = [dict.fromkeys(self.names, 0) for _ in self.policies]
         self.learner = learner
@@ -136,13 +162,41 @@ class RouterTier:
         # request -> (replica, its decision, its work): released when the request ends.
         self._open: dict[int, tuple[int, Decision, Ticket]] = {}
 
+    def _publisher(self, k: int) -> Callable[[str, bytes], None]:
+        def publish(worker: str, digests: bytes) -> None:
+            self._wire.append((self._now + self.store_delay_s, k, worker, digests))
+
+        return publish
+
+    def _sync(self, now: float) -> None:
+        """Deliver the decisions visible by ``now``; take the heartbeats due."""
+        wire = self._wire
+        while wire and wire[0][0] <= now:
+            _, k, worker, digests = wire.popleft()
+            for j, ix in enumerate(self.indexes):
+                if j != k:
+                    ix.insert_digests(worker, digests)
+                    self.peer[j][worker] += 1  # until the next heartbeat says better
+        if now >= self._next_beat and len(self.policies) > 1:
+            total = {w: sum(loads[w] for loads in self.loads) for w in self.names}
+            for loads, peer in zip(self.loads, self.peer, strict=True):
+                for w in self.names:
+                    peer[w] = total[w] - loads[w]
+            self._next_beat = now + self.heartbeat_s
+
     def route(self, r: int, request: RouteRequest, now: float = 0.0, output_len: int = 1) -> str:
         """The next replica in turn routes request ``r`` and reserves its load and its
         predicted work (``output_len``: the request's ``max_tokens``)."""
         k = self._next
         self._next = (k + 1) % len(self.policies)
         loads = self.loads[k]
-        decision = self.policies[k].select(request, loads)
+        seen = loads
+        if self.shared:
+            self._now = now
+            self._sync(now)
+            peer = self.peer[k]
+            seen = {w: n + peer[w] for w, n in loads.items()}
+        decision = self.policies[k].select(request, seen)
         loads[decision.worker] += 1
         cached = decision.cached_tokens
         if cached is None:
@@ -176,11 +230,14 @@ class RouterTier:
 
     def poll(self, engine: Sequence[int], waiting: Sequence[int] | None = None) -> None:
         """Each engine's running + waiting count (per worker, in ``names`` order) as
-        the replicas read it: what each holds beyond a replica's own requests.
-        ``waiting``: the waiting part, per worker (feeds the work models)."""
-        for loads, others, model in zip(self.loads, self.others, self.work, strict=True):
+        the replicas read it: what each holds beyond a replica's own requests (and, with a
+        store, beyond the others' it knows of). ``waiting``: the waiting part, per worker
+        (feeds the work models)."""
+        for loads, others, peer, model in zip(
+            self.loads, self.others, self.peer, self.work, strict=True
+        ):
             for i, (w, held) in enumerate(zip(self.names, engine, strict=True)):
-                others[w] = max(0, held - loads[w])
+                others[w] = max(0, held - loads[w] - peer[w])
                 if waiting is not None:
                     model.observe_engine(w, held - waiting[i], waiting[i])
 

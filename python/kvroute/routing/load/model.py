@@ -160,6 +160,10 @@ class LoadModel:
         self.fixed_capacity: int | None = None
         self.capacities: Mapping[str, int] = {}
         self.others: Mapping[str, int] = {}
+        # Other router replicas' requests in flight per worker (``--state-store``). Their
+        # split between prefill and decode is not shared, so each counts as a queued
+        # prefill of our mean uncached size (an upper bound) and as a taken slot.
+        self.peer: Mapping[str, int] = {}
         self.mean_output = PRIOR_OUTPUT_TOKENS
         self.mean_uncached = 0.0
         # Called with (worker, predicted TTFT, observed TTFT) at each learned first byte.
@@ -225,8 +229,10 @@ class LoadModel:
         st = self.workers.get(worker)
         return 1 / st.prefill.slope if st is not None else PRIOR_PREFILL_TPS
 
-    def ahead(self, worker: str) -> float:
-        """Seconds of prefill a request routed now would wait behind (module doc)."""
+    def ahead(self, worker: str, size_hint: int = 0) -> float:
+        """Seconds of prefill a request routed now would wait behind (module doc).
+        ``size_hint``: the uncached size to assume for requests of unknown size (other
+        routers') before any of ours has been seen."""
         st = self.workers.get(worker)
         if st is None:
             return 0.0
@@ -241,6 +247,11 @@ class LoadModel:
             others = e.waiting - e.own_pending
             work += others * self.mean_uncached
             count += others
+        peers = self.peer.get(worker, 0)
+        if peers:
+            # Their size is not shared: the larger of our running mean and this one.
+            work += peers * max(self.mean_uncached, size_hint)
+            count += peers
         return count * line.intercept + work * line.slope
 
     def _capacity(self, worker: str, st: WorkerWork) -> int | None:
@@ -258,7 +269,7 @@ class LoadModel:
         cap = self._capacity(worker, st)
         if cap is None or cap < 1:
             return 0.0
-        n = st.requests + self.others.get(worker, 0)
+        n = st.requests + self.others.get(worker, 0) + self.peer.get(worker, 0)
         if n < cap:
             return 0.0
         mean_out = st.decode_tokens / st.requests if st.requests else self.mean_output
@@ -275,7 +286,7 @@ class LoadModel:
         if st is None:
             return PRIOR_OVERHEAD_S + max(0, uncached) / PRIOR_PREFILL_TPS
         return (
-            self.ahead(worker)
+            self.ahead(worker, max(0, uncached))
             + self.own_prefill(worker, uncached, matched)
             + self.slot_wait(worker)
         )

@@ -1,0 +1,107 @@
+"""Router replicas over HTTP in front of sim workers: alone, with Redis, precise.
+
+Starts a ``redis-server`` on loopback and N ``kvroute sim-worker`` processes (publishing
+KV events, each on its own socket), then for 1, 2 and 3 ``kvroute serve`` replicas
+(clients deal requests to them in turn) replays the same llm-d-shaped requests through
+``cache_aware`` alone, ``cache_aware --state-store`` (Redis flushed before each row, so no
+row starts warm), and ``cache_aware --kv-events`` (precise). Hit rate from the workers'
+own accounting, TTFT from the clients, router CPU per request summed over the replicas
+(start-up included). Rows are ``kvroute.eval.quality.run_router``'s.
+
+Usage:
+    python bench/http_shared_state.py --groups 24 --prompts-per-group 5 --rate 4 \\
+        --time-scale 2 --replicas 1,2,3
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from kvroute.eval.quality import kvroute_spec, run_router, start_sim_workers  # noqa: E402
+from kvroute.sim.fleet import prepare, upper_bound  # noqa: E402
+from kvroute.sim.workloads import llmd  # noqa: E402
+from support import RedisServer  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--groups", type=int, default=24)
+    ap.add_argument("--prompts-per-group", type=int, default=5)
+    ap.add_argument("--system-len", type=int, default=6000)
+    ap.add_argument("--question-len", type=int, default=1200)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--rate", type=float, default=4.0)
+    ap.add_argument("--time-scale", type=float, default=2.0)
+    ap.add_argument("--capacity-tokens", type=int, default=100_000)
+    ap.add_argument("--replicas", default="1,2,3")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    requests = llmd(
+        args.groups,
+        args.prompts_per_group,
+        args.system_len,
+        args.question_len,
+        args.output_len,
+        seed=args.seed,
+        arrivals="poisson",
+        rate=args.rate,
+    )
+    bound = upper_bound(prepare(requests, 16))
+    print(f"{len(requests)} requests, {args.workers} workers, upper bound {bound:.3f}\n")
+    print(
+        "| replicas | mode | hit rate | TTFT p50 / p90 / p99 (s) | errors | router CPU/req (ms) |"
+    )
+    print("|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory(prefix="kvroute-shared-") as logs:
+        redis = RedisServer(Path(logs))
+        worker_args = [
+            "--time-scale", str(args.time_scale), "--capacity-tokens", str(args.capacity_tokens),
+        ]  # fmt: skip
+        workers = start_sim_workers(
+            args.workers, logs, worker_args, kv_events=True, publishers_bind=True
+        )
+        try:
+            modes = {
+                "approximate": kvroute_spec("cache_aware"),
+                "approximate + Redis": kvroute_spec("cache_aware", ("--state-store", redis.url)),
+                "precise": kvroute_spec("cache_aware+events"),
+            }
+            for n in (int(x) for x in args.replicas.split(",")):
+                for mode, spec in modes.items():
+                    with redis.client() as c:
+                        c.flushdb()
+                    row = run_router(
+                        replace(spec, name=mode),
+                        workers,
+                        requests,
+                        log_dir=logs,
+                        root=ROOT,
+                        time_scale=args.time_scale,
+                        replicas=n,
+                    )
+                    cpu = row.extra["routing"].get("router_cpu_s", 0.0)
+                    print(
+                        f"| {n} | {mode} | {row.hit_rate:.3f} | {row.ttft_p50:.3f} / "
+                        f"{row.ttft_p90:.3f} / {row.ttft_p99:.3f} | {row.errors} | "
+                        f"{cpu / len(requests) * 1000:.2f} |",
+                        flush=True,
+                    )
+        finally:
+            for w in workers:
+                w.stop()
+            redis.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,159 @@
+"""The prefix index keyed by block digests, so that router replicas can share it.
+
+A routing decision is shared as (worker, one 64-bit digest per whole block of the
+prompt's tokens): compact (8 bytes per ``BLOCK_SIZE`` tokens), never the prompt's text or
+token IDs, and the same on every router that tokenizes the same prompt.
+
+Digest of block ``i``: its ``BLOCK_SIZE`` token IDs times fixed odd multipliers, summed
+and mixed (splitmix64's finaliser), computed with numpy for the whole prompt at once. The
+digests are not chained: the radix tree chains them, since a node's key is its path from
+the root, so block ``i`` is found only under the same blocks ``0..i-1``. Constants are
+fixed, so every router, on any host, computes the same digests.
+
+``DigestIndex`` wraps ``PrefixIndex`` with the same methods the policies call
+(``match``, ``longest_match``, ``insert``, ...), and keys the tree by the digest chain
+(each 64-bit digest as two u32 keys). Local decisions and the peers' published ones go
+into this one tree, under one per-worker budget, so every router applies the same
+inserts under the same budget and evicts the same prefixes (up to the order in which
+inserts arrive). Lengths come back in tokens: whole blocks only, so a match is at most
+``BLOCK_SIZE - 1`` tokens shorter than the token-keyed index would say (engines cache
+whole blocks too). Without ``--state-store`` the router keeps its token-keyed index.
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvroute._native import PrefixIndex
+
+BLOCK_SIZE = 16
+_U64 = np.uint64
+_M1 = _U64(0xBF58476D1CE4E5B9)
+_M2 = _U64(0x94D049BB133111EB)
+
+
+def _mix(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """splitmix64 finaliser, element-wise (uint64 arithmetic wraps)."""
+    x = x ^ (x >> _U64(30))
+    x = x * _M1
+    x = x ^ (x >> _U64(27))
+    x = x * _M2
+    return x ^ (x >> _U64(31))
+
+
+_MULT = _mix(np.arange(1, BLOCK_SIZE + 1, dtype=_U64) * _U64(0x9E3779B97F4A7C15)) | _U64(1)
+
+
+def block_digests(tokens: Sequence[int] | npt.NDArray[Any]) -> npt.NDArray[np.uint64]:
+    """One 64-bit digest per whole block of ``tokens`` (a partial last block is left out)."""
+    if isinstance(tokens, np.ndarray):
+        t = tokens
+    elif isinstance(tokens, array.array) and tokens.typecode == "I":
+        t = np.frombuffer(tokens, dtype=np.uint32)  # the tokenizer's output: no copy
+    else:
+        t = np.asarray(tokens, dtype=_U64)
+    nb = len(t) // BLOCK_SIZE
+    if nb == 0:
+        return np.empty(0, dtype=_U64)
+    blocks = t[: nb * BLOCK_SIZE].astype(_U64, copy=False).reshape(nb, BLOCK_SIZE)
+    with np.errstate(over="ignore"):
+        return _mix((blocks * _MULT).sum(axis=1, dtype=_U64))
+
+
+class DigestIndex:
+    """``PrefixIndex`` keyed by block digests; see the module doc.
+
+    ``on_insert(worker, digests)`` is called after every local ``insert`` (the shared
+    store publishes it); ``insert_digests`` applies a peer's decision without calling it.
+    """
+
+    def __init__(self, max_tokens_per_worker: int | None = None) -> None:
+        keys = None if max_tokens_per_worker is None else 2 * (max_tokens_per_worker // BLOCK_SIZE)
+        self.tree = PrefixIndex(keys)
+        self.on_insert: Callable[[str, bytes], None] | None = None
+        # The policy matches, then inserts, the same tokens object: digest it once.
+        self._last: object = None
+        self._last_keys: npt.NDArray[np.uint32] = np.empty(0, dtype=np.uint32)
+
+    def keys(self, tokens: Sequence[int] | npt.NDArray[Any]) -> npt.NDArray[np.uint32]:
+        """The tree keys of ``tokens``: each block digest as two u32."""
+        if tokens is self._last:
+            return self._last_keys
+        keys = block_digests(tokens).view(np.uint32)
+        self._last, self._last_keys = tokens, keys
+        return keys
+
+    @staticmethod
+    def _tokens(keys: int) -> int:
+        return (keys // 2) * BLOCK_SIZE
+
+    @property
+    def max_tokens_per_worker(self) -> int | None:
+        keys = self.tree.max_tokens_per_worker
+        return None if keys is None else self._tokens(keys)
+
+    def worker_budget(self, worker: str) -> int | None:
+        """Every worker has the index's budget: replicas must evict alike, so no engine's
+        own KV capacity is applied here."""
+        return self.max_tokens_per_worker
+
+    def insert(self, worker: str, tokens: Sequence[int]) -> None:
+        keys = self.keys(tokens)
+        if len(keys):
+            self.tree.insert(worker, keys)
+            if self.on_insert is not None:
+                self.on_insert(worker, keys.tobytes())
+
+    def insert_digests(self, worker: str, digests: bytes) -> None:
+        """Apply a decision published by another router (``len(digests) % 8 == 0``)."""
+        keys = np.frombuffer(digests, dtype=np.uint32)
+        if len(keys):
+            self.tree.insert(worker, keys)
+
+    def match(self, tokens: Sequence[int]) -> dict[str, int]:
+        keys = self.keys(tokens)
+        if not len(keys):
+            return {}
+        return {w: self._tokens(n) for w, n in self.tree.match(keys).items() if n >= 2}
+
+    def longest_match(self, tokens: Sequence[int]) -> tuple[int, list[str]]:
+        keys = self.keys(tokens)
+        if not len(keys):
+            return 0, []
+        n, holders = self.tree.longest_match(keys)
+        if n % 2:  # a digest's first half matched, its second did not
+            per = self.match(tokens)
+            best = max(per.values(), default=0)
+            return (best, [w for w, m in per.items() if m == best]) if best else (0, [])
+        return self._tokens(n), holders
+
+    def remove_worker(self, worker: str) -> None:
+        self.tree.remove_worker(worker)
+
+    def add_worker(self, worker: str) -> None:
+        self.tree.add_worker(worker)
+
+    def cached_tokens(self, worker: str) -> int:
+        return self._tokens(self.tree.cached_tokens(worker))
+
+    def workers(self) -> list[str]:
+        return self.tree.workers()
+
+    def clear(self) -> None:
+        self._last = None
+        self.tree.clear()
+
+    def stats(self) -> dict[str, int]:
+        s = dict(self.tree.stats())
+        for k in ("stored_tokens", "cached_tokens", "evicted_tokens"):
+            if k in s:
+                s[k] = self._tokens(s[k])
+        return s
+
+    def check_invariants(self) -> None:
+        self.tree.check_invariants()

@@ -1,0 +1,324 @@
+"""The shared-state client: one background task per router talking to Redis.
+
+Nothing on the request path waits for Redis. A routing decision is appended to a bounded
+in-memory buffer (``publish_insert``, O(1); when the buffer is full the oldest entry is
+dropped and counted) and a background task drains it into the stream in pipelined
+batches. Another task reads the other routers' entries (``XREAD BLOCK`` from the last id
+seen) and applies them to the local index and fleet; a third rewrites this router's
+heartbeat (announce + in-flight per worker, with a TTL) and reads the others'. While
+Redis is down, slow or unreachable these tasks fail, the router routes on its local
+state, peers' load is forgotten, and the connection is retried with exponential backoff
+(0.1 s doubling to 5 s); once back, the buffered decisions and membership changes are
+published and the stream is read on from the last id seen.
+
+Why a Stream and not pub/sub: pub/sub forgets a message a subscriber was not connected
+for, silently. A stream keeps the last ``stream_len`` entries with ids, so a router that
+lost its connection, was slow or restarted reads on from its last id and misses nothing
+unless it fell more than ``stream_len`` entries behind (detected: a ``gap`` is counted
+and the worker list is reconciled from the ``workers`` hash). A new router replays the
+whole retained stream at start, so it begins with the fleet's recent routing state
+instead of an empty index. ``MAXLEN ~`` keeps memory bounded (an entry holds up to 64
+decisions of about 40 bytes plus 8 per 16 prompt tokens each). Entries are read 20 at a
+time, so applying a backlog (a new router's replay) holds the event loop for a few ms
+per read, never for the whole backlog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+import kvroute.fleet.shared.wire as wire
+from kvroute.config import ConfigError, normalize_worker_url
+from kvroute.fleet.registry import Registry
+from kvroute.fleet.shared.digests import DigestIndex
+from kvroute.fleet.shared.heartbeat import heartbeat
+from kvroute.fleet.shared.members import Membership
+
+log = logging.getLogger("kvroute.fleet.shared")
+
+BATCH = 512  # stream entries per pipelined round trip
+READ_COUNT = 20  # entries per XREAD: at most 1,280 decisions applied per loop turn
+READ_BLOCK_MS = 500
+BACKOFF_MIN_S, BACKOFF_MAX_S = 0.1, 5.0
+
+
+@dataclass
+class StoreCounters:
+    published: int = 0
+    applied: dict[str, int] = field(
+        default_factory=lambda: {"insert": 0, "added": 0, "removed": 0, "cleared": 0}
+    )
+    dropped: int = 0
+    malformed: int = 0
+    errors: int = 0
+    gaps: int = 0
+    connects: int = 0
+    lag_s: float = 0.0  # publish -> apply, of the last peer entry applied
+
+
+class StateStore:
+    """This router's view of the shared state; ``peer_load`` is its main output.
+
+    ``peer_load``: per worker, the requests other live routers have in flight on it
+    (summed; a router whose heartbeat expired counts for nothing), as of their last
+    heartbeats, plus one for each decision a peer published since (read off the stream
+    a few ms after it was made, so a burst is seen before the next heartbeat). The dict
+    is updated in place, so holders of a reference (``Registry.peer_load``, a load model)
+    always read the current value. ``routers``: the live routers (this one included), id -> info.
+    """
+
+    def __init__(
+        self,
+        url: wire.StoreURL,
+        registry: Registry,
+        index: DigestIndex | None,
+        *,
+        router_url: str,
+        version: str,
+        heartbeat_s: float = 0.5,
+        stream_len: int = 2000,
+        buffer_len: int = 10_000,
+    ) -> None:
+        self.url = url
+        self.registry = registry
+        self.index = index
+        self.id = os.urandom(6).hex()
+        self._rid = self.id.encode()
+        self.heartbeat_s = heartbeat_s
+        self.ttl_ms = max(int(heartbeat_s * 4000), 2000)  # 4 heartbeats, at least 2 s
+        self.stream_len = stream_len
+        self.info = orjson.dumps(
+            {"id": self.id, "url": router_url, "version": version, "started": time.time()}
+        )
+        self.peer_load: dict[str, int] = {}
+        self.routers: dict[str, dict[str, Any]] = {}
+        self.counters = StoreCounters()
+        self.connected = False
+        self._buf: deque[tuple[str, bytes]] = deque()
+        self._buf_len = buffer_len
+        self.members = Membership(registry, self.counters.applied, buffer_len)
+        self._last_id = b"0"  # replay the retained stream at start
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._client: aioredis.Redis | None = None
+        if index is not None:
+            index.on_insert = self.publish_insert
+
+    # ------------------------------------------------------------- request path
+
+    def publish_insert(self, worker: str, digests: bytes) -> None:
+        """Queue a routing decision for the stream (never blocks, never raises)."""
+        if len(self._buf) >= self._buf_len:
+            self._buf.popleft()
+            self.counters.dropped += 1
+        self._buf.append((worker, digests))
+        if not self._wake.is_set():
+            self._wake.set()
+
+    def worker_added(self, url: str) -> None:
+        """The admin API added ``url`` here: share it (queued like a decision)."""
+        self.members.queue(wire.ADDED, url)
+        self._wake.set()
+
+    def worker_removed(self, url: str) -> None:
+        self.members.queue(wire.REMOVED, url)
+        self._wake.set()
+
+    def index_cleared(self) -> None:
+        """The admin API flushed the workers' caches and this router's index: the
+        others clear theirs. Decisions not yet published predate the flush: dropped."""
+        self._buf.clear()
+        self.members.queue(wire.CLEARED, "")
+        self._wake.set()
+
+    # ------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        self._client = aioredis.from_url(
+            self.url.url,
+            socket_timeout=2.0,
+            socket_connect_timeout=1.0,
+            retry=Retry(NoBackoff(), 0),  # this class does the retrying, with backoff
+        )
+        self._task = asyncio.create_task(self._run(), name="kvroute-state-store")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._client is not None:
+            if self.connected:  # leave the live list at once rather than by TTL
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(0.5):
+                        await self._client.delete(wire.ROUTER + self.id)
+            with contextlib.suppress(Exception):
+                await self._client.aclose()
+
+    async def _run(self) -> None:
+        delay = BACKOFF_MIN_S
+        while True:
+            try:
+                await self._session()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # Redis down/slow/refusing: keep routing locally
+                self.counters.errors += 1
+                if self.connected:
+                    delay = BACKOFF_MIN_S
+                    log.warning(
+                        "state store %s lost (%s); routing on local state, reconnecting",
+                        self.url.redacted,
+                        _describe(e),
+                    )
+                self.connected = False
+                self.peer_load.clear()
+                self.routers.clear()
+                if self._client is not None:  # pooled sockets to a dead server: drop them
+                    with contextlib.suppress(Exception):
+                        await self._client.connection_pool.disconnect()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, BACKOFF_MAX_S)
+
+    async def _session(self) -> None:
+        client = self._client
+        assert client is not None
+        await client.ping()
+        await self._catch_up(client)
+        self.connected = True
+        self.counters.connects += 1
+        log.info("state store %s connected (router id %s)", self.url.redacted, self.id)
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._publish_loop(client))
+            tg.create_task(self._read_loop(client))
+            tg.create_task(self._heartbeat_loop(client))
+
+    async def _catch_up(self, client: aioredis.Redis) -> None:
+        """After (re)connecting: share the start-up workers and pending membership
+        changes, notice a store that lost its data or a gap in the stream, and reconcile
+        the worker list with the shared one."""
+        lost = await self.members.connected(client, self._rid, self.stream_len)
+        if self._last_id != b"0":
+            latest: Any = await client.xrevrange(wire.STREAM, count=1)
+            first: Any = await client.xrange(wire.STREAM, count=1)
+            last = wire.parse_id(self._last_id)
+            if not latest or wire.parse_id(latest[0][0]) < last:
+                self._last_id = b"0"  # a new stream: read it from the start
+            elif first and wire.parse_id(first[0][0]) > last:
+                self.counters.gaps += 1
+                log.warning("state store: fell behind the stream's retention; resynchronised")
+        await self.members.reconcile(client, lost)
+
+    # ------------------------------------------------------------- loops
+
+    async def _publish_loop(self, client: aioredis.Redis) -> None:
+        while True:
+            if not self._buf and not self.members.pending:
+                self._wake.clear()
+                await self._wake.wait()
+            await self.members.flush(client, self._rid, self.stream_len)
+            n = min(len(self._buf), BATCH)
+            if not n:
+                continue
+            batch = [self._buf.popleft() for _ in range(n)]
+            pipe = client.pipeline(transaction=False)
+            for i in range(0, n, wire.PER_ENTRY):
+                pipe.xadd(
+                    wire.STREAM,
+                    wire.insert_entry(self._rid, batch[i : i + wire.PER_ENTRY]),  # type: ignore[arg-type]
+                    maxlen=self.stream_len,
+                    approximate=True,
+                )
+            try:
+                await pipe.execute()
+            except Exception:
+                self.counters.dropped += n  # fire-and-forget: lost with the connection
+                raise
+            self.counters.published += n
+
+    async def _read_loop(self, client: aioredis.Redis) -> None:
+        while True:
+            got: Any = await client.xread(
+                {wire.STREAM: self._last_id}, count=READ_COUNT, block=READ_BLOCK_MS
+            )
+            for _stream, entries in got or ():
+                for entry_id, fields in entries:
+                    self._last_id = entry_id
+                    self._apply(fields)
+
+    async def _heartbeat_loop(self, client: aioredis.Redis) -> None:
+        while True:
+            await self._beat(client)
+            await asyncio.sleep(self.heartbeat_s)
+
+    async def _beat(self, client: aioredis.Redis) -> None:
+        mine = {url: w.in_flight for url, w in self.registry.workers.items() if w.in_flight > 0}
+        routers, load = await heartbeat(client, self.id, self.info, mine, self.ttl_ms)
+        self.peer_load.clear()
+        self.peer_load.update(load)
+        self.routers = routers
+
+    # ------------------------------------------------------------- applying
+
+    def _apply(self, fields: dict[bytes, bytes]) -> None:
+        if fields.get(b"r") == self._rid:
+            return  # our own entry: applied when it was decided
+        kind = fields.get(b"k")
+        if kind == wire.INSERT:
+            t = fields.get(b"t", b"")
+            lag_ms = max(wire.now_ms() - int(t), 0) if t.isdigit() else self.ttl_ms
+            self.counters.lag_s = lag_ms / 1000
+            try:
+                for url, digests in wire.unpack_inserts(fields.get(b"b", b"")):
+                    self._apply_insert(url, digests, recent=lag_ms < self.ttl_ms)
+            except ValueError:
+                self.counters.malformed += 1
+            return
+        if kind == wire.CLEARED:
+            if self.index is not None:
+                self.index.clear()
+            self.counters.applied["cleared"] += 1
+            return
+        worker = self._worker(fields.get(b"w", b""))
+        if worker is not None and kind in (wire.ADDED, wire.REMOVED):
+            self.members.apply(kind, worker)
+        else:
+            self.counters.malformed += 1
+
+    def _worker(self, raw: bytes) -> str | None:
+        """A worker URL from the stream, validated (None if it is not one)."""
+        try:
+            return normalize_worker_url(raw.decode())
+        except (UnicodeDecodeError, ConfigError):
+            return None
+
+    def _apply_insert(self, raw: bytes, digests: bytes, *, recent: bool) -> None:
+        worker = raw.decode(errors="replace")
+        if worker not in self.registry.workers:
+            return  # not (or no longer) in this router's fleet: nothing to predict
+        if self.index is not None:
+            self.index.insert_digests(worker, digests)
+        self.counters.applied["insert"] += 1
+        if recent:
+            # A request the peer just sent there: count it until its next heartbeat
+            # reports the peer's exact load (which replaces this estimate).
+            self.peer_load[worker] = self.peer_load.get(worker, 0) + 1
+
+
+def _describe(e: BaseException) -> str:
+    """An error's type and message (redis-py's name host and port, never the password)."""
+    if isinstance(e, BaseExceptionGroup):
+        return ", ".join(_describe(x) for x in e.exceptions)
+    return f"{type(e).__name__}: {e}"

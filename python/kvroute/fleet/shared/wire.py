@@ -1,0 +1,87 @@
+"""What the routers keep in Redis, and the store URL.
+
+Keys (all under ``kvroute:``; one fleet per Redis database, chosen by the URL's ``/db``):
+
+``kvroute:stream``
+    A Redis Stream, trimmed to about ``--state-store-stream-len`` entries
+    (``XADD ... MAXLEN ~``). Fields: ``r`` the publishing router's id, ``k`` the kind,
+    ``t`` the publisher's clock in ms (lag metric). Kind ``i``: up to ``PER_ENTRY``
+    routing decisions packed in ``b`` (``pack_inserts``: per decision the worker URL and
+    the prompt's block digests as little-endian u64s), one entry for many decisions
+    because each Redis command costs the publisher and every reader tens of µs of
+    Python. Kinds ``a`` / ``d``: worker ``w`` added / removed; ``c``: the workers' caches
+    were flushed (``POST /flush_cache``), every router clears its index.
+``kvroute:workers``
+    A hash, worker URL -> ``1``: the fleet as the admin API last left it.
+``kvroute:router:<id>``
+    One hash per live router, rewritten every heartbeat with a TTL (a crashed router
+    vanishes by itself): ``info`` (JSON: id, url, version, started) and ``l:<worker>``
+    (its requests in flight on that worker).
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Iterator, Sequence
+
+from kvroute.config import StoreURL
+
+__all__ = ["StoreURL"]
+
+PREFIX = "kvroute:"
+STREAM = PREFIX + "stream"
+WORKERS = PREFIX + "workers"
+ROUTER = PREFIX + "router:"
+LOAD_FIELD = "l:"
+
+INSERT, ADDED, REMOVED, CLEARED = b"i", b"a", b"d", b"c"
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+PER_ENTRY = 64  # decisions per stream entry, at most
+_HEAD = struct.Struct("<HI")  # worker URL length, digest bytes
+
+
+def pack_inserts(decisions: Sequence[tuple[str, bytes]]) -> bytes:
+    """Decisions (worker URL, digests) as one blob: per decision a header, the URL and
+    the digests."""
+    parts: list[bytes] = []
+    for worker, digests in decisions:
+        url = worker.encode()
+        parts += (_HEAD.pack(len(url), len(digests)), url, digests)
+    return b"".join(parts)
+
+
+def unpack_inserts(blob: bytes) -> Iterator[tuple[bytes, bytes]]:
+    """The (worker URL, digests) pairs of ``pack_inserts``; raises ValueError when the
+    blob is cut short or a digest run is not whole u64s."""
+    view = memoryview(blob)
+    at, end = 0, len(blob)
+    while at < end:
+        if at + _HEAD.size > end:
+            raise ValueError("truncated decision header")
+        n_url, n_dig = _HEAD.unpack_from(view, at)
+        at += _HEAD.size
+        if at + n_url + n_dig > end or n_dig % 8:
+            raise ValueError("truncated or misaligned decision")
+        yield bytes(view[at : at + n_url]), bytes(view[at + n_url : at + n_url + n_dig])
+        at += n_url + n_dig
+
+
+def insert_entry(router: bytes, decisions: Sequence[tuple[str, bytes]]) -> dict[bytes, bytes]:
+    t = b"%d" % now_ms()
+    return {b"r": router, b"k": INSERT, b"b": pack_inserts(decisions), b"t": t}
+
+
+def member_entry(router: bytes, kind: bytes, worker: str) -> dict[bytes, bytes]:
+    return {b"r": router, b"k": kind, b"w": worker.encode(), b"t": b"%d" % now_ms()}
+
+
+def parse_id(entry_id: bytes) -> tuple[int, int]:
+    """A stream entry id ``ms-seq`` as a comparable pair."""
+    ms, _, seq = entry_id.partition(b"-")
+    return int(ms), int(seq or 0)

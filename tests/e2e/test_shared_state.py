@@ -1,0 +1,327 @@
+"""Router replicas sharing state through a real Redis (``--state-store``).
+
+Real processes on loopback: a ``redis-server`` (Debian's package; CI installs it), two or
+three ``kvroute serve`` replicas, workers that record what they receive. Every wait is a
+bounded poll for a condition, never a sleep standing in for one.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvroute.eval.procs import Server
+from kvroute.fleet.shared.wire import unpack_inserts
+from support import (
+    REDIS_SERVER,
+    RedisServer,
+    control,
+    metric,
+    start_fake_worker,
+    start_router,
+    wait_until,
+)
+
+pytestmark = pytest.mark.skipif(
+    REDIS_SERVER is None, reason="redis-server is not installed (apt-get install redis-server)"
+)
+
+BLOCKS = 16  # tokens per shared digest block
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> object:
+    server = RedisServer(tmp_path)
+    yield server
+    server.stop()
+
+
+Routers = Callable[..., list[Server]]
+
+
+@pytest.fixture
+def routers(tmp_path: Path, processes: list[Server]) -> Routers:
+    """``routers(n, workers, store_url, *flags)`` -> n replicas sharing ``store_url``."""
+
+    def make(n: int, workers: list[str], store: str, *flags: str) -> list[Server]:
+        out = []
+        for _ in range(n):
+            r = start_router(
+                workers,
+                tmp_path,
+                "--state-store",
+                store,
+                "--state-store-heartbeat-secs",
+                "0.1",
+                *flags,
+            )
+            processes.append(r)
+            out.append(r)
+        return out
+
+    return make
+
+
+def workers(tmp_path: Path, processes: list[Server], n: int) -> list[Server]:
+    out = [start_fake_worker(tmp_path) for _ in range(n)]
+    processes.extend(out)
+    return out
+
+
+def ask(router: Server, prompt: list[int], timeout: float = 30) -> httpx.Response:
+    body = {"model": "fake-model", "prompt": prompt, "max_tokens": 1}
+    return httpx.post(router.url + "/v1/completions", json=body, timeout=timeout)
+
+
+def group_prompt(g: int, i: int) -> list[int]:
+    """Group ``g``'s shared 320-token prefix, then request ``i``'s own 20 tokens."""
+    return [10_000 + 1000 * g + k for k in range(20 * BLOCKS)] + [500 + i] * 20
+
+
+def applied(router: Server) -> float:
+    return metric(router, "kvroute_state_store_applied_total", 'kind="insert"')
+
+
+def live(router: Server) -> int:
+    return len(httpx.get(router.url + "/routers", timeout=5).json())
+
+
+def test_prefix_groups_stick_whichever_router(
+    tmp_path: Path, processes: list[Server], redis_server: RedisServer, routers: Routers
+) -> None:
+    ws = workers(tmp_path, processes, 3)
+    rs = routers(3, [w.url for w in ws], redis_server.url)
+    assert wait_until(lambda: all(live(r) == 3 for r in rs))
+    homes: dict[int, set[str]] = {}
+    published = 0
+    for g in range(6):
+        for i in range(6):
+            r = rs[i % 3]  # a round-robin balancer in front of the replicas
+            resp = ask(r, group_prompt(g, i))
+            assert resp.status_code == 200, resp.text
+            homes.setdefault(g, set()).add(resp.headers["x-kvroute-worker"])
+            published += 1
+            # The next replica has applied this decision before it routes the next one.
+            nxt = rs[(i + 1) % 3]
+            want = published - sum(1 for k in range(published) if k % 3 == (i + 1) % 3)
+            assert wait_until(lambda n=nxt, w=want: applied(n) >= w), (applied(nxt), want)
+    assert all(len(h) == 1 for h in homes.values()), homes
+    assert len(set().union(*homes.values())) == 3  # groups spread over the fleet
+    for r in rs[1:]:
+        hits = metric(r, "kvroute_routing_decisions_total", 'reason="cache_hit"')
+        assert hits >= 10  # it matched the groups routers 0 and 2 first saw
+
+    # A cache flush through one router clears every router's index.
+    def cached(r: Server) -> int:
+        return sum(w["cached_tokens"] for w in httpx.get(r.url + "/workers", timeout=5).json())
+
+    assert all(cached(r) > 0 for r in rs)
+    assert httpx.post(rs[0].url + "/flush_cache", timeout=10).status_code == 200
+    assert wait_until(lambda: all(cached(r) == 0 for r in rs)), [cached(r) for r in rs]
+
+
+def test_load_through_one_router_steers_another(
+    tmp_path: Path, processes: list[Server], redis_server: RedisServer, routers: Routers
+) -> None:
+    ws = workers(tmp_path, processes, 2)
+    for w in ws:
+        control(w, delay_s=10.0)  # router 1's requests stay in flight while router 2 routes
+    r1, r2 = routers(2, [w.url for w in ws], redis_server.url)
+    hot = group_prompt(0, 0)
+    results: list[httpx.Response] = []
+    threads = [threading.Thread(target=lambda: results.append(ask(r1, hot))) for _ in range(8)]
+    for t in threads:
+        t.start()
+
+    def peer_load() -> dict[str, int]:
+        rows = httpx.get(r2.url + "/workers", timeout=5).json()
+        return {row["url"]: row["peer_in_flight"] for row in rows}
+
+    assert wait_until(lambda: max(peer_load().values()) == 8), peer_load()
+    busy = max(peer_load(), key=lambda u: peer_load()[u])
+    # New prefixes through router 2: it sees router 1's 8 requests on ``busy``.
+    answers: list[httpx.Response] = []
+    others = [
+        threading.Thread(target=lambda i=i: answers.append(ask(r2, group_prompt(1 + i, 0))))
+        for i in range(4)
+    ]
+    for t in others:
+        t.start()
+    for t in threads + others:
+        t.join(timeout=30)
+    assert all(r.status_code == 200 for r in results + answers)
+    assert {r.headers["x-kvroute-worker"] for r in results} == {busy}
+    assert [r.headers["x-kvroute-worker"] for r in answers].count(busy) == 0
+    # Router 1's requests ended: their load leaves router 2's view.
+    assert wait_until(lambda: max(peer_load().values()) == 0)
+
+
+def test_worker_added_on_one_router_is_used_by_the_others(
+    tmp_path: Path, processes: list[Server], redis_server: RedisServer, routers: Routers
+) -> None:
+    a, b = workers(tmp_path, processes, 2)
+    r1, r2 = routers(2, [a.url], redis_server.url)
+
+    def listed(r: Server) -> set[str]:
+        return {w["url"] for w in httpx.get(r.url + "/workers", timeout=5).json()}
+
+    added = httpx.post(r1.url + "/workers", json={"url": b.url}, timeout=5)
+    assert added.status_code == 201
+    assert wait_until(lambda: listed(r2) == {a.url, b.url}), listed(r2)
+    # A replica started later learns the shared list from Redis.
+    (r3,) = routers(1, [a.url], redis_server.url)
+    assert wait_until(lambda: listed(r3) == {a.url, b.url}), listed(r3)
+    # Removed through router 2: gone everywhere, and the survivors route to b only.
+    assert httpx.delete(r2.url + "/workers/" + a.url, timeout=5).status_code == 200
+    assert wait_until(lambda: listed(r1) == {b.url} and listed(r3) == {b.url})
+    for r in (r1, r3):
+        resp = ask(r, group_prompt(0, 0))
+        assert resp.status_code == 200 and resp.headers["x-kvroute-worker"] == b.url
+    assert wait_until(lambda: all(live(r) == 3 for r in (r1, r2, r3)))
+    status = httpx.get(r2.url + "/status", timeout=5).text
+    assert "Routers sharing state (3 live)" in status and r3.url in status
+
+
+def test_redis_killed_mid_run(
+    tmp_path: Path, processes: list[Server], redis_server: RedisServer, routers: Routers
+) -> None:
+    ws = workers(tmp_path, processes, 2)
+    rs = routers(2, [w.url for w in ws], redis_server.url)
+    assert wait_until(lambda: all(live(r) == 2 for r in rs))
+    errors: list[str] = []
+    sent = 0
+    stop = threading.Event()
+
+    def traffic() -> None:
+        nonlocal sent
+        i = 0
+        while not stop.is_set() and i < 5000:
+            try:
+                resp = ask(rs[i % 2], group_prompt(i % 5, i), timeout=10)
+                if resp.status_code != 200:
+                    errors.append(f"{resp.status_code} {resp.text[:200]}")
+            except httpx.HTTPError as e:
+                errors.append(repr(e))
+            sent += 1
+            i += 1
+
+    client = threading.Thread(target=traffic)
+    client.start()
+    back: RedisServer | None = None
+    try:
+        assert wait_until(lambda: sent >= 20)
+        redis_server.kill()
+        assert wait_until(lambda: all(metric(r, "kvroute_state_store_connected") == 0 for r in rs))
+        during = sent
+        applied_before = applied(rs[1])  # nothing more applies while Redis is away
+        assert wait_until(lambda: sent >= during + 20, 60)  # routing goes on without Redis
+        back = RedisServer(tmp_path, port=redis_server.port)  # empty: no persistence
+        assert wait_until(
+            lambda: all(metric(r, "kvroute_state_store_connected") == 1 for r in rs), 60
+        )
+        assert wait_until(lambda: all(live(r) == 2 for r in rs))
+    except BaseException:
+        if back is not None:
+            back.stop()
+        raise
+    finally:
+        stop.set()
+        client.join(timeout=30)
+    try:
+        assert errors == []
+        # Converged again: the workers are shared anew, and a new group routed by one
+        # router is found by the other.
+        with back.client() as c:
+            assert {k.decode() for k in c.hkeys("kvroute:workers")} == {w.url for w in ws}
+        first = ask(rs[0], group_prompt(42, 0))
+        home = first.headers["x-kvroute-worker"]
+        assert wait_until(lambda: metric(rs[0], "kvroute_state_store_buffered") == 0)
+        r0 = next(r["id"] for r in httpx.get(rs[0].url + "/routers").json() if r["self"])
+        with back.client() as c:
+            mine = [f for _, f in c.xrange("kvroute:stream") if f[b"r"] == r0.encode()]
+        last = list(unpack_inserts(mine[-1][b"b"]))[-1]
+        assert last[0] == home.encode()  # router 0's decisions, resent after the outage
+        # Router 1 reads the new stream from its start: once it has applied all of them,
+        # it routes the new group where router 0 did.
+        want = applied_before + sum(
+            len(list(unpack_inserts(f[b"b"]))) for f in mine if f[b"k"] == b"i"
+        )
+        assert wait_until(lambda: applied(rs[1]) >= want, 60), (applied(rs[1]), want)
+        second = ask(rs[1], group_prompt(42, 1))
+        assert second.headers["x-kvroute-worker"] == home
+    finally:
+        back.stop()
+
+
+def test_password_never_appears(tmp_path: Path, processes: list[Server], routers: Routers) -> None:
+    secret = "s3cret-Redis-pa55"
+    server = RedisServer(tmp_path, password=secret)
+    try:
+        ws = workers(tmp_path, processes, 1)
+        (good,) = routers(1, [ws[0].url], server.url, "--log-level", "debug")
+        wrong = server.url.replace(secret, secret[::-1])
+        (bad,) = routers(1, [ws[0].url], wrong, "--log-level", "debug")
+        assert wait_until(lambda: metric(good, "kvroute_state_store_connected") == 1)
+        assert wait_until(lambda: metric(bad, "kvroute_state_store_errors_total") >= 2)
+        assert ask(good, group_prompt(0, 0)).status_code == 200
+        assert ask(bad, group_prompt(0, 0)).status_code == 200  # no store: local routing
+        server.kill()  # connection-lost messages too
+        assert wait_until(lambda: metric(good, "kvroute_state_store_connected") == 0)
+        pages = [
+            httpx.get(r.url + p, timeout=5).text
+            for r in (good, bad)
+            for p in ("/status", "/metrics", "/workers", "/routers")
+        ]
+    finally:
+        server.stop()
+    for r in (good, bad):
+        r.stop()
+    logs = [r.log_tail(10_000) for r in (good, bad)]
+    assert "state store" in logs[0] and "127.0.0.1" in logs[0]  # the logs do talk of it
+    for text in logs + pages:
+        assert secret not in text and secret[::-1] not in text
+    # A bad URL is refused at start-up without echoing it.
+    out = subprocess.run(
+        [sys.executable, "-m", "kvroute", "serve", "--state-store", f"redis://:{secret}@h:x/0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "--state-store" in out.stderr
+    assert secret not in out.stderr + out.stdout
+
+
+def test_a_crashed_routers_load_expires(
+    tmp_path: Path, processes: list[Server], redis_server: RedisServer, routers: Routers
+) -> None:
+    ws = workers(tmp_path, processes, 2)
+    for w in ws:
+        control(w, delay_s=30.0)  # held until the router dies
+    r1, r2 = routers(2, [w.url for w in ws], redis_server.url)
+    held = [
+        threading.Thread(target=lambda: _ask_quietly(r1, group_prompt(0, 0)), daemon=True)
+        for _ in range(4)
+    ]
+    for t in held:
+        t.start()
+
+    def peer_total() -> int:
+        return sum(row["peer_in_flight"] for row in httpx.get(r2.url + "/workers").json())
+
+    assert wait_until(lambda: peer_total() == 4 and live(r2) == 2), peer_total()
+    r1.kill()  # SIGKILL: no goodbye, its heartbeat hash stays until its TTL runs out
+    assert wait_until(lambda: peer_total() == 0 and live(r2) == 1), (peer_total(), live(r2))
+    assert metric(r2, "kvroute_state_store_live_routers") == 1
+
+
+def _ask_quietly(router: Server, prompt: list[int]) -> None:
+    try:
+        ask(router, prompt, timeout=60)
+    except httpx.HTTPError:
+        pass  # the router is killed under it: expected

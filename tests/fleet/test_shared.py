@@ -1,0 +1,128 @@
+"""The shared-state pieces in process: the digest-keyed index, the store URL, the
+store's buffer and its behaviour with no Redis at all (no server needed)."""
+
+from __future__ import annotations
+
+import array
+import asyncio
+
+import numpy as np
+import pytest
+
+from kvroute._native import PrefixIndex
+from kvroute.config import ConfigError, Settings, StoreURL
+from kvroute.eval.procs import free_port
+from kvroute.fleet.registry import Registry
+from kvroute.fleet.shared import BLOCK_SIZE, DigestIndex, StateStore, block_digests, wire
+
+
+def prompt(seed: int, n: int) -> array.array[int]:
+    rng = np.random.default_rng(seed)
+    return array.array("I", rng.integers(0, 150_000, n).astype(np.uint32).tobytes())
+
+
+def test_digests_are_the_same_for_every_input_type_and_ignore_a_partial_block() -> None:
+    t = prompt(0, 3 * BLOCK_SIZE + 5)
+    d = block_digests(t)
+    assert len(d) == 3
+    assert (block_digests(list(t)) == d).all()
+    assert (block_digests(np.frombuffer(t, dtype=np.uint32)) == d).all()
+    assert (block_digests(t[: 3 * BLOCK_SIZE]) == d).all()
+    other = array.array("I", t)
+    other[BLOCK_SIZE] += 1  # block 1 differs: its digest changes, block 0's does not
+    e = block_digests(other)
+    assert e[0] == d[0] and e[1] != d[1]
+
+
+def test_a_prefix_routed_by_one_router_is_matched_by_another() -> None:
+    a, b = DigestIndex(), DigestIndex()
+    published: list[tuple[str, bytes]] = []
+    a.on_insert = lambda w, d: published.append((w, d))
+    shared = prompt(1, 20 * BLOCK_SIZE)
+    a.insert("w1", shared + prompt(2, 40))
+    assert len(published) == 1 and len(published[0][1]) == 8 * 22  # 8 bytes per block
+    b.insert_digests(*published[0])
+    query = shared + prompt(3, 40)  # same prefix, another question
+    assert b.longest_match(query) == (20 * BLOCK_SIZE, ["w1"])
+    assert b.match(query) == {"w1": 20 * BLOCK_SIZE}
+    assert b.longest_match(prompt(4, 400)) == (0, [])
+
+
+def test_same_inserts_under_the_same_budget_evict_the_same() -> None:
+    budget = 50 * BLOCK_SIZE
+    local, peer = DigestIndex(budget), DigestIndex(budget)
+    sent: list[tuple[str, bytes]] = []
+    local.on_insert = lambda w, d: sent.append((w, d))
+    prompts = [prompt(s, 12 * BLOCK_SIZE) for s in range(12)]
+    for i, p in enumerate(prompts):
+        local.insert(f"w{i % 2}", p)
+    for w, d in sent:
+        peer.insert_digests(w, d)
+    for w in ("w0", "w1"):
+        assert local.cached_tokens(w) == peer.cached_tokens(w) <= budget
+    assert local.stats()["evicted_tokens"] > 0
+    for p in prompts:
+        assert local.match(p) == peer.match(p)
+    assert local.match(prompts[0]) == {}  # the oldest went, on both
+    local.check_invariants()
+    peer.check_invariants()
+
+
+def test_digest_index_agrees_with_the_token_index_on_whole_blocks() -> None:
+    digest, tokens = DigestIndex(), PrefixIndex()
+    for s in range(20):
+        p = prompt(s % 7, (5 + s) * BLOCK_SIZE)
+        digest.insert(f"w{s % 3}", p)
+        tokens.insert(f"w{s % 3}", p)
+    for s in range(30):
+        q = prompt(s % 9, 200) + prompt(100 + s, 50)
+        want = {w: (n // BLOCK_SIZE) * BLOCK_SIZE for w, n in tokens.match(q).items()}
+        assert digest.match(q) == {w: n for w, n in want.items() if n}
+
+
+def test_store_url_is_checked_and_redacted() -> None:
+    url = StoreURL("redis://:hunter2@127.0.0.1:6379/3")
+    assert "hunter2" not in url.redacted and "hunter2" not in repr(url)
+    assert url.redacted == "redis://:***@127.0.0.1:6379/3"
+    assert StoreURL("rediss://cache:6380/0").redacted == "rediss://cache:6380/0"
+    for bad in ("http://h:1/0", "redis://:pw@:1/0", "redis://h:x/0", "redis://h:1/db"):
+        with pytest.raises(ConfigError) as e:
+            StoreURL(bad)
+        assert "pw" not in str(e.value)
+    s = Settings(state_store="redis://:hunter2@h:1/0")
+    assert "hunter2" not in repr(s)
+
+
+async def test_no_redis_never_blocks_and_the_buffer_stays_bounded() -> None:
+    settings = Settings(worker_urls=["http://127.0.0.1:1"]).validate()
+    registry = Registry(settings)
+    registry.add("http://127.0.0.1:1")
+    index = DigestIndex()
+    store = StateStore(
+        StoreURL(f"redis://127.0.0.1:{free_port()}/0"),  # nothing listens there
+        registry,
+        index,
+        router_url="http://127.0.0.1:2",
+        version="test",
+        buffer_len=100,
+    )
+    await store.start()
+    try:
+        for s in range(300):
+            index.insert("http://127.0.0.1:1", prompt(s, 64))
+        await asyncio.sleep(0.3)  # the background task tries, fails, backs off
+        assert not store.connected and store.counters.errors >= 1
+        assert len(store._buf) == 100  # the newest 100 wait for Redis
+        assert store.counters.dropped == 200
+        assert index.match(prompt(299, 64)) == {"http://127.0.0.1:1": 64}  # local state
+    finally:
+        await store.stop()
+
+
+def test_decisions_pack_into_one_entry_and_bad_blobs_are_refused() -> None:
+    decisions = [("http://w1:8000", b"\x01" * 16), ("http://w2:8000", b"\x02" * 8)]
+    blob = wire.pack_inserts(decisions)
+    assert [(u.decode(), d) for u, d in wire.unpack_inserts(blob)] == decisions
+    for bad in (blob[:-1], blob[:3], wire.pack_inserts([("http://w:1", b"\x00" * 7)])):
+        with pytest.raises(ValueError):
+            list(wire.unpack_inserts(bad))
