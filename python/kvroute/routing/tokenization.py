@@ -37,6 +37,8 @@ import numpy
 import orjson
 
 from kvroute.errors import BadRequestError
+from kvroute.routing import bpe
+from kvroute.routing.bpe import FastBPE
 from kvroute.routing.prompts import MAX_TOKEN_ID, prompt_batch, token_list
 from kvroute.routing.templates import (
     Bounds,
@@ -125,6 +127,7 @@ class PromptTokenizer:
         cache_bytes: int = 64 * 1024 * 1024,
         trust_request_chat_template: bool = False,
         template_timeout_s: float = 2.0,
+        fast_bpe: bool = True,
     ) -> None:
         self.tokenizer_dir = tokenizer_dir
         self.cache_size = cache_size
@@ -140,12 +143,42 @@ class PromptTokenizer:
         self.cache_misses = 0
         self._tok: Any = None
         self._fast: Any = None
+        # The exact byte-level BPE encoder (kvroute.routing.bpe) when it reproduces the
+        # tokenizer; None: the Rust tokenizer's own pipeline.
+        self._bpe: FastBPE | None = None
         self._special: re.Pattern[str] | None = None
         self._special_ids: dict[str, int] = {}
         self._prefix_specials: list[int] = []
         self._lock = threading.Lock()
         if tokenizer_dir is not None:
             self._load(tokenizer_dir)
+            if fast_bpe:
+                self._bpe = self._load_bpe()
+
+    def _load_bpe(self) -> FastBPE | None:
+        fast = self._fast
+        if fast is None or not hasattr(fast, "to_str"):
+            log.info("tokenizer: no Rust tokenizer, the tokenizer's own encoder is used")
+            return None
+
+        def reference(texts: list[str]) -> list[list[int]]:
+            return [list(e.ids) for e in fast.encode_batch(texts, add_special_tokens=False)]
+
+        # Built from the pipeline transformers actually runs, not tokenizer.json: a
+        # tokenizer class may replace the file's pre-tokenizer with its own (Qwen2's does).
+        encoder, why = bpe.load(fast.to_str(), reference)
+        if encoder is None:
+            log.info("tokenizer: fast BPE not used (%s); the tokenizer's own encoder is", why)
+        else:
+            log.info("tokenizer: fast exact BPE (%s)", why)
+        return encoder
+
+    @property
+    def encoder(self) -> str:
+        """Which encoder turns text into IDs: ``fast-bpe``, ``tokenizers`` or ``bytes``."""
+        if self._tok is None:
+            return "bytes"
+        return "fast-bpe" if self._bpe is not None else "tokenizers"
 
     def _load(self, tokenizer_dir: str) -> None:
         # The Rust tokenizer's rayon threads spin after every call; the router encodes
@@ -205,7 +238,9 @@ class PromptTokenizer:
     def _encode_missing(self, texts: list[str]) -> dict[str, tuple[int, ...]]:
         """Encode ``texts`` in one call (the GIL is released while the Rust tokenizer
         works) and cache the results."""
-        if self._fast is not None:
+        if self._bpe is not None:
+            encoded = [tuple(self._bpe.encode(t)) for t in texts]
+        elif self._fast is not None:
             # The Rust tokenizer directly, without character offsets: transformers'
             # encode adds batching and padding logic, offsets ~15% more time.
             encode = getattr(self._fast, "encode_batch_fast", self._fast.encode_batch)

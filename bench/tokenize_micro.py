@@ -1,0 +1,77 @@
+"""In-process CPU cost of the router's tokenization per chat request, by encoder.
+
+Chat requests like the overhead bench's (one of 8 long system prompts, then a fresh user
+message) go through ``PromptTokenizer`` with the shipped Qwen3 tokenizer, once with the
+``tokenizers`` encoder and once with the exact fast BPE (``kvroute.routing.bpe``),
+interleaved round by round so machine noise hits both alike. CPU time
+(``time.process_time``) per request; the first round warms the segment caches and is not
+counted. The chat template is rendered the same way in both (sandboxed, as ``serve``
+does).
+
+    python bench/tokenize_micro.py --requests 200 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import time
+
+from kvroute.routing.tokenization import PromptTokenizer, default_tokenizer_dir
+
+WORDS = (
+    "alpha beta gamma delta router cache prefix token worker fleet prompt engine "
+    "latency 42 7 résumé 東京 🙂 the of and to in is for on with as"
+).split()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--system-words", type=int, default=1100)
+    p.add_argument("--user-words", type=int, default=380)
+    args = p.parse_args()
+    rng = random.Random(0)
+
+    def text(n: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(n))
+
+    systems = [text(args.system_words) for _ in range(8)]
+    qwen = default_tokenizer_dir()
+    variants = {
+        "tokenizers": PromptTokenizer(qwen, fast_bpe=False),
+        "fast BPE": PromptTokenizer(qwen),
+    }
+    cpu: dict[str, list[float]] = {k: [] for k in variants}
+
+    async def run() -> None:
+        for _ in range(args.rounds):
+            bodies = [
+                {
+                    "messages": [
+                        {"role": "system", "content": systems[i % len(systems)]},
+                        {"role": "user", "content": text(args.user_words)},
+                    ]
+                }
+                for i in range(args.requests)
+            ]
+            for name, tok in variants.items():
+                t0 = time.process_time()
+                for body in bodies:
+                    await tok.tokens_for("chat", body)
+                cpu[name].append((time.process_time() - t0) / len(bodies) * 1e6)
+
+    asyncio.run(run())
+    base = statistics.median(cpu["tokenizers"][1:])
+    print("| encoder | CPU µs / request (median of rounds after the first) | ratio |")
+    print("|---|---:|---:|")
+    for name, values in cpu.items():
+        med = statistics.median(values[1:])
+        print(f"| {name} ({variants[name].encoder}) | {med:.0f} | {med / base:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

