@@ -11,6 +11,7 @@ import pytest
 
 from kvroute.config import Settings
 from kvroute.service.app import create_app
+from kvroute.service.attempts import first_byte_deadline
 from kvroute.service.quarantine import Quarantine, fingerprint, first_byte_secs, output_tokens
 
 URLS = ["http://w1:8000", "http://w2:8000", "http://w3:8000"]
@@ -155,3 +156,20 @@ def test_quarantine_expires_and_is_bounded() -> None:
     expired = Quarantine(ttl_s=1e-9)
     expired.add(5)
     assert not expired.holds(5)
+
+
+def test_a_streams_deadline_follows_its_predicted_time_to_first_token() -> None:
+    """A 100k-token prompt: at the conservative rate its deadline is the cap; the work
+    model predicts ~7 s on a worker prefilling 15k tokens/s, so the stream gives up after
+    the floor plus 8x that instead. Never longer than the size-based deadline, and a
+    non-streamed answer keeps it (its first byte is its last)."""
+    floor, cap = 60.0, 600.0
+    size_based = first_byte_secs(100_000, floor_s=floor, cap_s=cap)
+    assert size_based == cap
+    predicted = 100_000 / 15_000
+    learned = first_byte_deadline(size_based, predicted, True, floor)
+    assert learned == floor + 8 * predicted < cap
+    assert first_byte_deadline(size_based, predicted, False, floor) == cap
+    short = first_byte_secs(100, floor_s=floor, cap_s=cap)
+    assert first_byte_deadline(short, 1000.0, True, floor) == short
+    assert first_byte_deadline(short, 0.0, True, floor) == short

@@ -61,6 +61,9 @@ BROKEN = (httpx.ReadError, httpx.WriteError, httpx.WriteTimeout, httpx.RemotePro
 RETRYABLE_STATUS = frozenset((502, 503, 504))
 # Request-tied failures allowed before the request is quarantined (the first retries).
 REQUEST_FAILURES_ALLOWED = 1
+# A stream's first-byte deadline may shrink to the floor plus this times its predicted
+# time to first token (``first_byte_deadline``): generous, the prior may be 4x off.
+LEARNED_MARGIN = 8.0
 USAGE_RE = re.compile(rb'"\w+"\s*:\s*(\d+)')
 
 
@@ -256,7 +259,9 @@ class Attempts:
         worker = decision.worker
         loop = asyncio.get_running_loop()
         start = time.monotonic()
-        first_byte_at = start + job.first_byte_s
+        first_byte_at = start + first_byte_deadline(
+            job.first_byte_s, ticket.predicted, job.stream, s.settings.first_byte_floor_secs
+        )
         upstream: httpx.Response | None = None
         left: list[str] = []
         # Until the answer is complete (streams: until it begins) nothing reached the
@@ -324,6 +329,22 @@ class Attempts:
         delay = self.s.settings.retry_backoff_secs * (2**attempt)
         if delay > 0:
             await asyncio.sleep(delay)
+
+
+def first_byte_deadline(
+    size_based_s: float, predicted_s: float, stream: bool, floor_s: float
+) -> float:
+    """Seconds an attempt waits for its worker's first byte: the deadline from the
+    prompt's size at a conservative rate (``size_based_s``, already between the floor
+    and ``--first-byte-timeout-secs``) or, for a stream when shorter, the floor plus
+    ``LEARNED_MARGIN`` times the time to first token the work model predicts on this
+    worker (``kvroute.routing.load``: its learned prefill speed and the work queued
+    ahead). A hung worker holding a long prompt is then given up on in about a minute
+    instead of at the cap; a non-streamed answer's first byte comes with its last, so
+    it keeps the size-based deadline, which counts the output."""
+    if not stream or not predicted_s > 0:
+        return size_based_s
+    return min(size_based_s, floor_s + LEARNED_MARGIN * predicted_s)
 
 
 async def abandon(upstream: httpx.Response | None, res: Reservation) -> None:
