@@ -114,7 +114,9 @@ def test_worker_answering_503_costs_no_client_error(fleet: Fleet) -> None:
     # 3 to open the circuit, then at most one half-open probe per cooldown.
     assert 3 < hits <= 3 + math.ceil(elapsed / cooldown) + 1, (hits, elapsed)
     assert metric(router, "kvroute_retries_total") == hits
-    assert workers_state(router)[bad.url]["healthy"] is True, "/health still answers"
+    # Its health checks still pass: only the circuit (open or half-open at this moment,
+    # depending on timing) keeps it out, it was never marked down.
+    assert workers_state(router)[bad.url]["down_reason"] is None, "/health still answers"
 
 
 def test_stuck_requests_move_when_a_worker_freezes(fleet: Fleet) -> None:
