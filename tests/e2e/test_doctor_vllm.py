@@ -8,15 +8,13 @@ replica configured right (prefix caching, KV events to a socket doctor binds), o
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from engine_support import engine_or_skip
 from kvroute.eval.procs import Server, free_port, kvroute_argv
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -24,20 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load_serve() -> ModuleType:
-    path = ROOT / "bench/engine/serve.py"
-    spec = importlib.util.spec_from_file_location("kvroute_bench_serve", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
-serve = _load_serve()
-_missing = serve.engine_available()
-if _missing:
-    pytest.skip(f"real vLLM engine not installed: {_missing}", allow_module_level=True)
+serve = engine_or_skip()
 
 
 def test_doctor_on_real_vllm(tmp_path: Path, processes: list[Server]) -> None:

@@ -14,22 +14,20 @@ must agree with what vLLM itself reports as cached
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import httpx
 import pytest
 
+from engine_support import engine_or_skip
 from kvroute import BlockIndex
 from kvroute.eval.procs import Server, free_port, kvroute_argv, start_server
 from kvroute.events import EventTracker, KvEventSubscriber, PreciseView, parse_kv_events
@@ -41,20 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32
 
 
-def _load_serve() -> ModuleType:
-    path = ROOT / "bench/engine/serve.py"
-    spec = importlib.util.spec_from_file_location("kvroute_bench_serve", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
-serve = _load_serve()
-_missing = serve.engine_available()
-if _missing:
-    pytest.skip(f"real vLLM engine not installed: {_missing}", allow_module_level=True)
+serve = engine_or_skip()
 
 
 def wait_for(pred: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:

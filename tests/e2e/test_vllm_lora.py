@@ -14,19 +14,17 @@ peft``) to build the adapters (``bench/engine/make_lora.py``).
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import ModuleType
 
 import httpx
 import pytest
 
+from engine_support import engine_or_skip
 from kvroute.eval.procs import Server, free_port, kvroute_argv, start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -34,20 +32,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load_serve() -> ModuleType:
-    path = ROOT / "bench/engine/serve.py"
-    spec = importlib.util.spec_from_file_location("kvroute_bench_serve_lora", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-serve = _load_serve()
-_missing = serve.engine_available()
-if _missing:
-    pytest.skip(f"real vLLM engine not installed: {_missing}", allow_module_level=True)
+serve = engine_or_skip()
 _peft = subprocess.run(
     [str(serve.ENGINE_PYTHON), "-c", "import peft"], capture_output=True, check=False
 )

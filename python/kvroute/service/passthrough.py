@@ -25,10 +25,17 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kvroute.errors import BadRequestError, NotFoundError, error_body
+from kvroute.errors import BadRequestError, error_body
 from kvroute.routing.policies.base import RouteRequest
 from kvroute.service.attempts import Job, answer_chunks
-from kvroute.service.proxy import PASS_HEADERS, Forwarder, ProxyStream, RawResponse, read_body
+from kvroute.service.proxy import (
+    PASS_HEADERS,
+    Forwarder,
+    ProxyStream,
+    RawResponse,
+    check_model,
+    read_body,
+)
 
 _rng = random.Random()
 
@@ -77,12 +84,7 @@ class PassThrough(Forwarder):
             # (multipart audio, anything else) go through unread.
             raise BadRequestError("request body must be a JSON object")
         model = model_of(obj)
-        if not s.registry.model_routable(model):
-            names = ", ".join(sorted(s.registry.known_models())) or "none"
-            raise NotFoundError(
-                f"the model {model!r} does not exist; available models: {names}",
-                code="model_not_found",
-            )
+        check_model(s.registry, model)
         stream = obj is not None and obj.get("stream") is True
         job = Job(
             kind=kind,

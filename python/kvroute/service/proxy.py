@@ -43,7 +43,7 @@ from kvroute.fleet.models import (
     request_salt,
     requested_model,
 )
-from kvroute.fleet.registry import Reservation
+from kvroute.fleet.registry import Registry, Reservation
 from kvroute.routing.load import Ticket, max_tokens_of
 from kvroute.routing.policies.base import RouteRequest
 from kvroute.service.attempts import Attempts, Job, answer_chunks, usage
@@ -127,6 +127,16 @@ def parse_object(body: bytes) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise BadRequestError("request body must be a JSON object")
     return obj
+
+
+def check_model(registry: Registry, model: str | None) -> None:
+    """404, naming the models served, when no worker can serve ``model``."""
+    if not registry.model_routable(model):
+        names = ", ".join(sorted(registry.known_models())) or "none"
+        raise NotFoundError(
+            f"the model {model!r} does not exist; available models: {names}",
+            code="model_not_found",
+        )
 
 
 def session_key(request: Request, body: dict[str, Any]) -> str | None:
@@ -257,12 +267,7 @@ class Forwarder:
             model = requested_model(kind, obj, s.settings.default_model)
         except ValueError as e:
             raise BadRequestError(str(e)) from None
-        if not s.registry.model_routable(model):
-            names = ", ".join(sorted(s.registry.known_models())) or "none"
-            raise NotFoundError(
-                f"the model {model!r} does not exist; available models: {names}",
-                code="model_not_found",
-            )
+        check_model(s.registry, model)
         s.metrics.model_requests_by[(s.metrics.model_label(model),)].inc()
         return model
 
