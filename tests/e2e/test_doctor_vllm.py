@@ -1,7 +1,7 @@
 """``kvroute doctor`` against real vLLM (CPU build, tiny local model): the slow suite.
 
 Run with ``.venv/bin/pytest -m slow tests/e2e/test_doctor_vllm.py`` after installing the
-engine (ENGINE.md) and building the model (``bench/engine/make_tiny_model.py``). One
+engine (docs/real-engine.md) and building the model (``bench/engine/make_tiny_model.py``). One
 replica configured right (prefix caching, KV events to a socket doctor binds), one with
 ``--no-enable-prefix-caching``: the first passes every check, the second must be fixed.
 """

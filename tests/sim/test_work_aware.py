@@ -130,7 +130,7 @@ def test_lognormal_chat_is_heavy_tailed() -> None:
 
 
 def test_vllm_cpu_cost_model_matches_the_engine_measurements() -> None:
-    """ENGINE.md: cold ~580 ms, 90% shared prefix ~110 ms, same prompt ~55 ms (2,000
+    """docs/real-engine.md: cold ~580 ms, 90% shared prefix ~110 ms, same prompt ~55 ms (2,000
     tokens, vLLM CPU block 128). The preset is a line through the first two."""
     from kvroute.sim.cost import VLLM_CPU
 

@@ -34,7 +34,7 @@ Defaults and where they come from:
 * ``block_size = 16``: vLLM's default KV block size.
 
 These defaults are an estimate for GPU serving, not a fit to a measured engine. The one
-engine this project can run, vLLM's CPU build on a tiny random-weight Llama (ENGINE.md:
+engine this project can run, vLLM's CPU build on a tiny random-weight Llama (docs/real-engine.md:
 2,000-token prompts, one request at a time, one core per replica), measured cold
 ~580 ms, 90% shared prefix ~110 ms, the same prompt again ~55 ms. ``VLLM_CPU`` is the
 cost model fitted to it: a line through the cold and the 90%-shared points, with
