@@ -149,6 +149,9 @@ class Registry:
         # Requests other router replicas have in flight per worker (--state-store:
         # ``kvroute.fleet.shared``), added to this router's own in ``loads``.
         self.peer_load: Mapping[str, int] = {}
+        # Every model some worker lists, and whether some worker's models are unknown:
+        # read on every request, rebuilt only when a worker or its models change.
+        self._catalog: tuple[dict[str, ServedModel], bool] | None = None
 
     def add(self, url: str) -> Worker:
         if url in self.workers:
@@ -159,6 +162,7 @@ class Registry:
             return w
         w = Worker(url)
         self.workers[url] = w
+        self._catalog = None
         if url in self.fixed_models:
             w.models = {m.id: m for m in self.fixed_models[url]}
             w.models_fixed = True
@@ -170,6 +174,7 @@ class Registry:
     def remove(self, url: str) -> Worker | None:
         w = self.workers.pop(url, None)
         if w is not None:
+            self._catalog = None
             if self._on_down is not None:
                 self._on_down(url)
             self._evict_waiters(w, "worker removed")
@@ -215,36 +220,43 @@ class Registry:
         if w is None or (w.models_fixed and not fixed):
             return
         new = {m.id: m for m in models}
+        w.models_fixed = w.models_fixed or fixed
+        if new == w.models:
+            return  # the usual answer to a health check's read: nothing changed
         if w.models is None or new.keys() != w.models.keys():
             log.info("worker %s serves: %s", url, ", ".join(sorted(new)) or "nothing")
         w.models = new
-        w.models_fixed = w.models_fixed or fixed
+        self._catalog = None
+
+    def _models(self) -> tuple[dict[str, ServedModel], bool]:
+        if self._catalog is None:
+            known: dict[str, ServedModel] = {}
+            unknown = False
+            for w in self.workers.values():
+                if w.models is None:
+                    unknown = True
+                else:
+                    for name, m in w.models.items():
+                        known.setdefault(name, m)
+            self._catalog = (known, unknown)
+        return self._catalog
 
     def known_models(self) -> dict[str, ServedModel]:
         """Every model some worker lists (healthy or not), by name."""
-        out: dict[str, ServedModel] = {}
-        for w in self.workers.values():
-            if w.models:
-                for name, m in w.models.items():
-                    out.setdefault(name, m)
-        return out
+        return self._models()[0]
 
     def model_routable(self, model: str | None) -> bool:
         """False when no worker can ever serve ``model``: every worker's models are known
         and none lists it (a 404 for the client, not a 503)."""
         if model is None:
             return True
-        return any(w.models is None or model in w.models for w in self.workers.values())
+        known, unknown = self._models()
+        return unknown or model in known
 
     def is_adapter(self, model: str | None) -> bool:
         """``model`` is a LoRA adapter on some worker (its KV is its own partition)."""
-        if model is None:
-            return False
-        for w in self.workers.values():
-            m = w.models.get(model) if w.models else None
-            if m is not None:
-                return m.is_adapter
-        return False
+        m = self._models()[0].get(model) if model is not None else None
+        return m is not None and m.is_adapter
 
     def reserve(self, url: str, on_release: Callable[[], None] | None = None) -> Reservation:
         """One unit of load on ``url``; ``on_release`` runs once when it is released.
