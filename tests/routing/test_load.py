@@ -131,15 +131,40 @@ def test_before_enough_samples_the_prior_holds_and_memory_is_bounded() -> None:
     assert line.intercept + 3000 * line.slope == pytest.approx(1.0, rel=0.2)
 
 
-def test_prefill_is_learned_only_from_requests_that_ran_alone() -> None:
+def test_prefill_is_learned_from_its_own_prefill_not_the_queue_ahead() -> None:
+    """A request queued behind ours gives a sample from the first byte ahead of it to
+    its own (1 s), not its whole wait (2 s); one queued behind a full batch gives none."""
     m = LoadModel()
     first = m.reserve("w", 5000, 10, now=0.0)
     second = m.reserve("w", 5000, 10, now=0.0)  # queued behind the first
+    assert first.alone and not second.alone
     first.first_byte(1.0)
     second.first_byte(2.0)
+    assert (first.sample, second.sample) == (1.0, 1.0)
     first.end(3.0)
     second.end(3.0)
-    assert m.workers["w"].prefill.samples == 1
+    assert m.workers["w"].prefill.samples == 2
+    m.fixed_capacity = 1
+    blocked = [m.reserve("v", 5000, 10, now=0.0), m.reserve("v", 5000, 10, now=0.0)]
+    blocked[0].first_byte(1.0)
+    blocked[1].first_byte(7.0)  # waited for the slot too
+    assert blocked[1].sample is None
+
+
+def test_a_worker_not_yet_measured_is_assumed_as_fast_as_the_fleet_not_the_prior() -> None:
+    """The prior (15,000 tokens/s) is 5x too fast for these workers: a worker still on it
+    would look idle however long its queue, draw every request and, always busy, never
+    give a sample to correct itself."""
+    m = LoadModel()
+    synthetic_worker(m, "a", tps=3000.0, overhead=0.005, n=12)
+    synthetic_worker(m, "b", tps=3000.0, overhead=0.005, n=12)
+    m.add_worker("new")
+    assert m.prefill_rate("new") == pytest.approx(3000, rel=0.03)
+    assert m.ttft("new", 3000) == pytest.approx(m.ttft("a", 3000), rel=0.03)
+    assert m.snapshot("new")["prefill_samples"] == 0
+    alone = LoadModel()
+    alone.add_worker("new")
+    assert alone.prefill_rate("new") == PRIOR_PREFILL_TPS
 
 
 def test_prefill_is_learned_from_what_the_engine_reports_it_had_cached() -> None:

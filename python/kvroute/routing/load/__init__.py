@@ -25,9 +25,13 @@ Learned speed, per worker (so a heterogeneous fleet is told apart)
     * prefill: time to first byte = ``overhead + uncached tokens / rate``, a line fitted
       to (uncached tokens, seconds from decision to first byte) samples
       (``ResistantLine``: a Theil-Sen slope on paired samples, the median residual as
-      overhead; bounded window of ``WINDOW`` samples). Only requests that had nothing
-      queued ahead of them and a free slot when routed give a sample (their first byte
-      times their own prefill, nothing else). The sample is taken at the request's end,
+      overhead; bounded window of ``WINDOW`` samples). A request routed to a free slot
+      with none of the engine's other requests waiting gives a sample of its own prefill
+      time: from its routing when nothing of ours was queued ahead of it, else (prefills
+      run one at a time, in arrival order) from the first byte of the request just ahead
+      of it, when it was the oldest still waiting. A busy worker so keeps learning; were
+      only idle requests measured, a worker whose speed is overestimated would draw
+      traffic, never be idle, and never be corrected. The sample is taken at the request's end,
       when the engine may have reported what it really had cached (``usage``
       ``prompt_tokens`` - ``cached_tokens``, in the router's token units): the index's
       guess is used only when it did not, so an evicted prefix the index still believed
@@ -38,8 +42,10 @@ Learned speed, per worker (so a heterogeneous fleet is told apart)
       less: a request is expected to prefill ``uncached + (1 - trust) * matched``.
     * decode seconds per token: at each end with a known output length,
       ``(end - first byte) / (output tokens - 1)``, the median of the last ``WINDOW``.
-    Before ``MIN_SAMPLES`` samples the priors hold: ``PRIOR_PREFILL_TPS`` (the
-    simulator's default worker, an 8B model on one H100), ``PRIOR_OVERHEAD_S``, ``PRIOR_DECODE_S``.
+    Before ``MIN_SAMPLES`` samples a worker is assumed to prefill as the fleet's typical
+    worker does (the median intercept and slope of the workers that learned); before any
+    did, the priors hold: ``PRIOR_PREFILL_TPS`` (the simulator's default worker, an 8B
+    model on one H100), ``PRIOR_OVERHEAD_S``, ``PRIOR_DECODE_S``.
     Medians shrug off the outliers a shared machine or a stall produce. A worker that
     leaves (or goes down) forgets what was learned (it may come back as other hardware).
 

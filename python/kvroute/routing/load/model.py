@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from statistics import median
 from typing import Any
 
-from kvroute.routing.load.estimators import MedianEstimator, ResistantLine
+from kvroute.routing.load.estimators import MIN_SAMPLES, MedianEstimator, ResistantLine
 
 PRIOR_PREFILL_TPS = 15_000.0
 PRIOR_OVERHEAD_S = 0.005
@@ -46,6 +47,8 @@ class WorkerWork:
     # Share of the cached tokens the index predicts that the engine really had (from
     # usage.cached_tokens); a stale index (evictions it did not see) earns less trust.
     trust: float = 1.0
+    # When the last of our first bytes came back (None: unknown, or not a prefill's end).
+    last_first: float | None = None
 
 
 class Ticket:
@@ -55,6 +58,7 @@ class Ticket:
         "_model",
         "ahead",
         "alone",
+        "clean",
         "closed",
         "expected_out",
         "first_at",
@@ -90,11 +94,14 @@ class Ticket:
         self.expected_out = expected_out
         self.started = now
         self.ahead = model.ahead(worker)
-        # Nothing ahead of it and a free slot: its first byte times its own prefill.
-        self.alone = not state.pending and model.slot_wait(worker) == 0.0
+        # A free slot and no one else's requests waiting: from the moment its prefill
+        # starts, its first byte times its own prefill alone.
+        self.clean = model.slot_wait(worker) == 0.0
         e = state.engine
         if e is not None and e.waiting > e.own_pending:
-            self.alone = False
+            self.clean = False
+        # Nothing of ours ahead of it either: it starts at once.
+        self.alone = self.clean and not state.pending
         self.predicted = model.ttft(worker, uncached, matched)
         self.predicted_cached = matched
         self.first_at: float | None = None
@@ -114,12 +121,18 @@ class Ticket:
             return
         self.first_at = now
         st = self.state
+        oldest = next(iter(st.pending), None) == self.id
         if st.pending.pop(self.id, None) is not None:
             st.prefill_tokens -= self.uncached
         elapsed = now - self.started
+        previous, st.last_first = st.last_first, (now if learn else None)
         if learn:
             if self.alone:
                 self.sample = elapsed
+            elif self.clean and oldest and previous is not None and previous > self.started:
+                # Queued behind ours: prefills run one at a time in arrival order, so
+                # its own began when the one ahead of it gave its first byte.
+                self.sample = now - previous
             if self._model.on_observe is not None:
                 self._model.on_observe(self.worker, self.predicted, elapsed)
 
@@ -141,6 +154,7 @@ class Ticket:
             # cached: a cache the index wrongly predicted must not pass for a slow worker.
             x = self.reported_uncached if self.reported_uncached is not None else self.uncached
             st.prefill.observe(x, self.sample)
+            self._model.relearn_fleet()
         if self.reported_uncached is not None and self.predicted_cached > 0:
             real = min(self.predicted_cached, max(0, self.prompt_tokens - self.reported_uncached))
             st.trust += TRUST_EWMA * (real / self.predicted_cached - st.trust)
@@ -166,6 +180,9 @@ class LoadModel:
         self.peer: Mapping[str, int] = {}
         self.mean_output = PRIOR_OUTPUT_TOKENS
         self.mean_uncached = 0.0
+        # (intercept, slope) of the fleet's typical worker: the median of the learned
+        # lines; what a worker without samples of its own is assumed to do (None: prior).
+        self.fleet_line: tuple[float, float] | None = None
         # Called with (worker, predicted TTFT, observed TTFT) at each learned first byte.
         self.on_observe: Callable[[str, float, float], None] | None = None
         self._ids = 0
@@ -222,12 +239,29 @@ class LoadModel:
         st = self.state(worker)
         st.engine = EngineReading(running, waiting, kv_usage, st.requests, len(st.pending))
 
+    def relearn_fleet(self) -> None:
+        """The fleet line: the median intercept and slope of the workers that learned."""
+        lines = [st.prefill for st in self.workers.values() if st.prefill.samples >= MIN_SAMPLES]
+        if not lines:
+            self.fleet_line = None
+            return
+        self.fleet_line = (median(p.intercept for p in lines), median(p.slope for p in lines))
+
     # ----------------------------------------------------------------- prediction
+
+    def line(self, st: WorkerWork) -> tuple[float, float]:
+        """(intercept, slope) of ``st``'s prefill: learned, else the fleet's typical
+        worker's (a fixed prior that is too fast would draw every request to the workers
+        not yet measured, whose queues then give no clean sample to correct it)."""
+        p = st.prefill
+        if p.samples >= MIN_SAMPLES or self.fleet_line is None:
+            return p.intercept, p.slope
+        return self.fleet_line
 
     def prefill_rate(self, worker: str) -> float:
         """Learned prefill tokens/s of ``worker`` (the prior for an unknown one)."""
         st = self.workers.get(worker)
-        return 1 / st.prefill.slope if st is not None else PRIOR_PREFILL_TPS
+        return 1 / self.line(st)[1] if st is not None else PRIOR_PREFILL_TPS
 
     def ahead(self, worker: str, size_hint: int = 0) -> float:
         """Seconds of prefill a request routed now would wait behind (module doc).
@@ -236,7 +270,7 @@ class LoadModel:
         st = self.workers.get(worker)
         if st is None:
             return 0.0
-        line = st.prefill
+        intercept, slope = self.line(st)
         work = float(st.prefill_tokens)
         count = float(len(st.pending))
         if st.pending:  # the oldest is probably being prefilled: half done
@@ -252,7 +286,7 @@ class LoadModel:
             # Their size is not shared: the larger of our running mean and this one.
             work += peers * max(self.mean_uncached, size_hint)
             count += peers
-        return count * line.intercept + work * line.slope
+        return count * intercept + work * slope
 
     def _capacity(self, worker: str, st: WorkerWork) -> int | None:
         e = st.engine
@@ -296,9 +330,9 @@ class LoadModel:
         st = self.workers.get(worker)
         if st is None:
             return PRIOR_OVERHEAD_S + max(0, uncached) / PRIOR_PREFILL_TPS
-        line = st.prefill
+        intercept, slope = self.line(st)
         expect = max(0, uncached) + (1.0 - st.trust) * max(0, matched)
-        return line.intercept + expect * line.slope
+        return intercept + expect * slope
 
     def queued_per_worker(self, workers: Iterable[str]) -> float:
         """Mean number of requests waiting for their first byte per worker of ``workers``
@@ -314,13 +348,14 @@ class LoadModel:
 
     def snapshot(self, worker: str) -> dict[str, Any]:
         st = self.workers.get(worker) or WorkerWork()
+        intercept, slope = self.line(st)
         return {
             "prefill_tokens_queued": st.prefill_tokens,
             "requests": st.requests,
             "decode_tokens": st.decode_tokens,
             "predicted_wait_s": round(self.wait(worker), 6),
-            "prefill_tokens_per_s": round(1 / st.prefill.slope, 1),
-            "prefill_overhead_ms": round(st.prefill.intercept * 1000, 3),
+            "prefill_tokens_per_s": round(1 / slope, 1),
+            "prefill_overhead_ms": round(intercept * 1000, 3),
             "prefill_samples": st.prefill.samples,
             "decode_ms_per_token": round(st.decode_s.value * 1000, 3),
             "decode_samples": st.decode_s.samples,
