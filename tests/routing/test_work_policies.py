@@ -114,3 +114,23 @@ def test_cache_aware_work_guard_moves_only_to_a_sooner_worker() -> None:
         model.reserve("a", 10, 5000, now=0.0)  # long decodes: a slot is far off
     d = pol.select(RouteRequest(prompt), loads)  # type: ignore[attr-defined]
     assert d.worker in ("b", "c") and d.reason == "overflow"
+
+
+def test_cache_aware_work_leaves_a_holder_whose_queue_costs_more_than_its_cache_saves() -> None:
+    """Not full by count (no capacity known), but 20k tokens of prefill queued ahead on
+    the holder: the request goes elsewhere (``overflow``) once that costs less; the
+    request-count rule follows the cache whatever is queued there."""
+    prompt = tokens(5, 4000)
+    loads = {"a": 1, "b": 1, "c": 1}
+    pol, model = setup("cache_aware")
+    pol.index.insert("a", prompt[:3800])  # type: ignore[attr-defined]
+    d = pol.select(RouteRequest(prompt), loads)  # type: ignore[attr-defined]
+    assert (d.worker, d.reason) == ("a", "cache_hit")  # nothing queued: the cache wins
+    model.reserve("a", 20_000, 10, now=0.0)
+    d = pol.select(RouteRequest(prompt), loads)  # type: ignore[attr-defined]
+    assert d.worker in ("b", "c") and d.reason == "overflow" and d.matched_tokens == 0
+    old = create_policy("cache_aware", PrefixIndex(None), load_metric="requests")
+    for w in WORKERS:
+        old.on_worker_added(w)
+    old.index.insert("a", prompt[:3800])  # type: ignore[attr-defined]
+    assert old.select(RouteRequest(prompt), loads).worker == "a"

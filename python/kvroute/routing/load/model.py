@@ -334,6 +334,16 @@ class LoadModel:
         expect = max(0, uncached) + (1.0 - st.trust) * max(0, matched)
         return intercept + expect * slope
 
+    def cost(self, worker: str, tokens: int, matched: int, behind: float) -> float:
+        """What routing a ``tokens``-long request to ``worker`` (which holds ``matched``
+        of them) costs the fleet, in seconds: its own predicted TTFT there plus the delay
+        its prefill adds to the ``behind`` requests expected to queue after it (FIFO:
+        each waits its prefill longer). ``behind``: ``queued_per_worker``."""
+        uncached = tokens - matched
+        return self.ttft(worker, uncached, matched) + behind * self.own_prefill(
+            worker, uncached, matched
+        )
+
     def queued_per_worker(self, workers: Iterable[str]) -> float:
         """Mean number of requests waiting for their first byte per worker of ``workers``
         (a proxy for how many requests will queue behind new work)."""

@@ -45,7 +45,13 @@ for a slot), so a worker with one 100k-token prompt queued is no longer "as load
 one with a 200-token prompt, and a slow worker is seen as slow; equal predictions go to
 the fewer requests in flight, then rotate. The saturation guard fires on the same count
 test, and then moves the request only to a worker predicted to answer sooner than the
-full holder.
+full holder. It also fires on work, full or not: when sending the request to the cache
+holder costs more than sending it to the cheapest worker (``LoadModel.cost``: predicted
+TTFT plus the delay its own prefill adds to the requests that will queue behind it, the
+cost ``min_ttft`` minimises), it goes there (``overflow``). The match threshold alone
+follows a holder whatever is queued on it; where prompts are huge and caches small (the
+index still believes in evicted prefixes) that piled "hits" that were really cold
+prefills onto one worker, and the request-count rule, blind to sizes, did better at p99.
 
 Corrections to SGLang's version: min/max over healthy workers only; ties between
 equally good workers go to the least loaded and then rotate (no "first worker wins",
@@ -60,7 +66,7 @@ from typing import Protocol
 
 from kvroute._native import PrefixIndex
 from kvroute.routing.load import LoadModel
-from kvroute.routing.policies._common import TieBreaker
+from kvroute.routing.policies._common import TieBreaker, tie_window
 from kvroute.routing.policies.base import Decision, NoWorkerError, Policy, Reason, RouteRequest
 
 
@@ -157,7 +163,10 @@ class CacheAware(Policy):
         if n and healthy and matched / n > self.cache_threshold:
             worker = self._least(loads, healthy, n, matches)
             reason = "cache_hit"
-            if self._full(worker, loads):
+            alt = self._cheaper(worker, loads, n, matches)
+            if alt is not None:
+                worker, reason, matched = alt, "overflow", 0
+            elif self._full(worker, loads):
                 free = [w for w in loads if not self._full(w, loads)]
                 if free:
                     alt = self._least(loads, free, n, matches)
@@ -206,6 +215,22 @@ class CacheAware(Policy):
             return True
         m_alt, m_holder = matches.get(alt, 0), matches.get(holder, 0)
         return work.ttft(alt, n - m_alt, m_alt) < work.ttft(holder, n - m_holder, m_holder)
+
+    def _cheaper(
+        self, holder: str, loads: Mapping[str, int], n: int, matches: dict[str, int] | None
+    ) -> str | None:
+        """Work guard: the worker that costs less than the cache ``holder`` for this
+        request (``LoadModel.cost``: its TTFT there plus the delay its prefill adds to
+        the requests queued behind it), or None (always, on counts)."""
+        work = self.work
+        if work is None or matches is None:
+            return None
+        behind = work.queued_per_worker(loads)
+        cost = {w: work.cost(w, n, matches.get(w, 0), behind) for w in loads}
+        alt = self._ties.least_by(cost, loads)
+        if cost[holder] - cost[alt] <= tie_window(cost[alt]):
+            return None
+        return alt
 
     def _record(self, decision: Decision, tokens: Sequence[int]) -> Decision:
         """The chosen worker now holds ``tokens`` (predicted; pending in precise mode)."""

@@ -77,9 +77,7 @@ class MinTtft(Policy):
         scored = []
         for w in loads:
             m = matches.get(w, 0)
-            own = work.own_prefill(w, n - m, m)
-            cost = work.ttft(w, n - m, m) + behind * own
-            scored.append((cost, -m, w))
+            scored.append((work.cost(w, n, m, behind), -m, w))
         if self.temperature > 0 and len(scored) > 1:
             worker = self._sample(scored)
         else:
