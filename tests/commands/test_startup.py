@@ -165,6 +165,9 @@ OTHER_PROGRAMS = {
     "--store-delay-ms",  # bench/sim_shared_state.py
     "--replicas",  # bench/sim_shared_state.py
     "--workloads",  # bench/sim_shared_state.py
+    "--bisect",  # bench/work_aware.py
+    "--only",  # bench/work_aware.py
+    "--no-sweep",  # bench/work_aware.py
 }
 
 
