@@ -192,3 +192,17 @@ def test_max_tokens_of_request_bodies() -> None:
     for _ in range(200):
         m.observe_output(50)
     assert m.expected_output(None) == pytest.approx(50, abs=1)
+
+
+def test_a_request_overtaken_by_a_later_one_gives_no_queued_sample() -> None:
+    """An engine that interleaves prefills lets a short later prompt out first: the time
+    from its first byte to the earlier one's is not the earlier one's own prefill."""
+    m = LoadModel()
+    first = m.reserve("w", 5000, 10, now=0.0)
+    second = m.reserve("w", 8000, 10, now=0.0)
+    third = m.reserve("w", 100, 10, now=0.1)
+    first.first_byte(0.5)
+    third.first_byte(0.6)  # overtook the second
+    second.first_byte(1.5)
+    assert second.sample is None
+    assert third.sample is None  # not the oldest waiting when it came back

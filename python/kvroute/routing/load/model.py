@@ -47,8 +47,10 @@ class WorkerWork:
     # Share of the cached tokens the index predicts that the engine really had (from
     # usage.cached_tokens); a stale index (evictions it did not see) earns less trust.
     trust: float = 1.0
-    # When the last of our first bytes came back (None: unknown, or not a prefill's end).
+    # When the last of our first bytes came back (None: unknown, or not a prefill's end),
+    # and whose (ticket ids grow in routing order).
     last_first: float | None = None
+    last_first_id: int = 0
 
 
 class Ticket:
@@ -125,13 +127,21 @@ class Ticket:
         if st.pending.pop(self.id, None) is not None:
             st.prefill_tokens -= self.uncached
         elapsed = now - self.started
-        previous, st.last_first = st.last_first, (now if learn else None)
+        previous, ahead_id = st.last_first, st.last_first_id
+        st.last_first, st.last_first_id = (now if learn else None), self.id
         if learn:
             if self.alone:
                 self.sample = elapsed
-            elif self.clean and oldest and previous is not None and previous > self.started:
+            elif (
+                self.clean
+                and oldest
+                and previous is not None
+                and previous > self.started
+                and ahead_id < self.id
+            ):
                 # Queued behind ours: prefills run one at a time in arrival order, so
-                # its own began when the one ahead of it gave its first byte.
+                # its own began when the one ahead of it gave its first byte. (A later
+                # request that overtook it, an engine interleaving prefills, gives none.)
                 self.sample = now - previous
             if self._model.on_observe is not None:
                 self._model.on_observe(self.worker, self.predicted, elapsed)
