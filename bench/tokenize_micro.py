@@ -2,11 +2,13 @@
 
 Chat requests like the overhead bench's (one of 8 long system prompts, then a fresh user
 message) go through ``PromptTokenizer`` with the shipped Qwen3 tokenizer, once with the
-``tokenizers`` encoder and once with the exact fast BPE (``kvroute.routing.bpe``),
-interleaved round by round so machine noise hits both alike. CPU time
-(``time.process_time``) per request; the first round warms the segment caches and is not
-counted. The chat template is rendered the same way in both (sandboxed, as ``serve``
-does).
+``tokenizers`` encoder, once with the exact fast BPE (``kvroute.routing.bpe``) and once
+with the fast BPE and the cache of rendered chat templates
+(``kvroute.routing.template_cache``), interleaved round by round so machine noise hits
+all alike. CPU time
+(``time.process_time``) per request; the first round warms the caches and is not counted. The
+chat template is rendered as ``serve`` renders it (sandboxed, in its thread pool), in
+full in the first two variants.
 
     python bench/tokenize_micro.py --requests 200 --rounds 5
 """
@@ -42,8 +44,9 @@ def main() -> None:
     systems = [text(args.system_words) for _ in range(8)]
     qwen = default_tokenizer_dir()
     variants = {
-        "tokenizers": PromptTokenizer(qwen, fast_bpe=False),
-        "fast BPE": PromptTokenizer(qwen),
+        "tokenizers": PromptTokenizer(qwen, fast_bpe=False, template_cache=False),
+        "fast BPE": PromptTokenizer(qwen, template_cache=False),
+        "fast BPE + template cache": PromptTokenizer(qwen),
     }
     cpu: dict[str, list[float]] = {k: [] for k in variants}
 
@@ -71,6 +74,8 @@ def main() -> None:
     for name, values in cpu.items():
         med = statistics.median(values[1:])
         print(f"| {name} ({variants[name].encoder}) | {med:.0f} | {med / base:.2f}x |")
+    cached = variants["fast BPE + template cache"].template_stats()
+    print(f"\ntemplate cache: {cached['hits']} hits, {cached['misses']} misses")
 
 
 if __name__ == "__main__":

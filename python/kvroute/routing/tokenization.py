@@ -40,6 +40,7 @@ from kvroute.errors import BadRequestError
 from kvroute.routing import bpe
 from kvroute.routing.bpe import FastBPE
 from kvroute.routing.prompts import MAX_TOKEN_ID, prompt_batch, token_list
+from kvroute.routing.template_cache import TemplateCache, why_not_cacheable
 from kvroute.routing.templates import (
     Bounds,
     TemplateBoundsError,
@@ -49,7 +50,11 @@ from kvroute.routing.templates import (
     request_template_kwargs,
     template_messages,
 )
-from kvroute.routing.tokenizer_files import load_chat_template, load_tokenizer
+from kvroute.routing.tokenizer_files import (
+    chat_template_source,
+    load_chat_template,
+    load_tokenizer,
+)
 
 log = logging.getLogger("kvroute.routing.tokenization")
 
@@ -92,6 +97,11 @@ def _message_text(content: Any, index: int) -> str:
     raise BadRequestError(f"messages[{index}].content must be a string or a list of parts")
 
 
+def _tools(body: dict[str, Any]) -> list[Any] | None:
+    tools = body.get("tools")
+    return tools if isinstance(tools, list) else None
+
+
 def _check_messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise BadRequestError("'messages' must be a non-empty list")
@@ -128,6 +138,7 @@ class PromptTokenizer:
         trust_request_chat_template: bool = False,
         template_timeout_s: float = 2.0,
         fast_bpe: bool = True,
+        template_cache: bool = True,
     ) -> None:
         self.tokenizer_dir = tokenizer_dir
         self.cache_size = cache_size
@@ -150,10 +161,19 @@ class PromptTokenizer:
         self._special_ids: dict[str, int] = {}
         self._prefix_specials: list[int] = []
         self._lock = threading.Lock()
+        # Renders of the model's own template by conversation shape (template_cache).
+        self._templates: TemplateCache | None = None
         if tokenizer_dir is not None:
             self._load(tokenizer_dir)
             if fast_bpe:
                 self._bpe = self._load_bpe()
+            if template_cache and self._template is not None:
+                source = chat_template_source(self._tok)
+                why = why_not_cacheable(source) if source is not None else "no source"
+                if why is None:
+                    self._templates = TemplateCache(self._render_model_template)
+                else:
+                    log.info("tokenizer: chat template renders not cached (%s)", why)
 
     def _load_bpe(self) -> FastBPE | None:
         fast = self._fast
@@ -319,32 +339,42 @@ class PromptTokenizer:
 
     async def render_chat_async(self, messages: list[dict[str, Any]], body: dict[str, Any]) -> str:
         """``render_chat`` in the template thread pool, so that no template (the
-        model's or a trusted request's) ever blocks the event loop."""
+        model's or a trusted request's) ever blocks the event loop; a render of the
+        model's template whose shape is cached is put together on the loop instead."""
         if self._tok is None:
             return self.render_chat(messages, body)
         deadline = time.monotonic() + self.template_timeout_s
+        if self._templates is not None:
+            source, kwargs = request_template_kwargs(body, trusted=self.trust_request_chat_template)
+            if source is None:
+                bounds = Bounds.for_body(len(orjson.dumps(body)), self.template_timeout_s)
+                text = self._templates.lookup(messages, kwargs, _tools(body), bounds)
+                if text is not None:
+                    return text
         return await render_off_loop(
             lambda: self._render(messages, body, deadline), self.template_timeout_s
         )
 
     def _render(self, messages: list[dict[str, Any]], body: dict[str, Any], deadline: float) -> str:
         source, kwargs = request_template_kwargs(body, trusted=self.trust_request_chat_template)
-        bounds = Bounds.for_body(len(orjson.dumps(body)), 0.0)
+        body_bytes = len(orjson.dumps(body))
+        bounds = Bounds.for_body(body_bytes, 0.0)
         bounds.deadline = deadline
+        tools = _tools(body)
         try:
-            template = self._template if source is None else compile_template(source)
-            if template is None:
-                raise BadRequestError("the tokenizer has no chat template", code="no_chat_template")
-            tools = body.get("tools") if isinstance(body.get("tools"), list) else None
-            variables = {
-                **self._special_map,
-                **kwargs,
-                "messages": template_messages(messages),
-                "tools": tools,
-                "documents": None,
-                "add_generation_prompt": True,
-            }
-            return render(template, variables, bounds)
+            if source is None:
+                if self._template is None:
+                    raise BadRequestError(
+                        "the tokenizer has no chat template", code="no_chat_template"
+                    )
+                text = self._render_model_template(messages, kwargs, tools, bounds)
+                if self._templates is not None:
+                    timeout = self.template_timeout_s
+                    self._templates.observe(
+                        messages, kwargs, tools, lambda: Bounds.for_body(body_bytes, timeout)
+                    )
+                return text
+            return self._render_template(compile_template(source), messages, kwargs, tools, bounds)
         except TemplateBoundsError:
             raise
         except BadRequestError:
@@ -353,6 +383,29 @@ class PromptTokenizer:
             raise BadRequestError(
                 f"messages could not be rendered with the chat template: {e}"
             ) from None
+
+    def _render_model_template(
+        self, messages: list[dict[str, Any]], kwargs: dict[str, Any], tools: Any, bounds: Bounds
+    ) -> str:
+        return self._render_template(self._template, messages, kwargs, tools, bounds)
+
+    def _render_template(
+        self,
+        template: Any,
+        messages: list[dict[str, Any]],
+        kwargs: dict[str, Any],
+        tools: Any,
+        bounds: Bounds,
+    ) -> str:
+        variables = {
+            **self._special_map,
+            **kwargs,
+            "messages": template_messages(messages),
+            "tools": tools,
+            "documents": None,
+            "add_generation_prompt": True,
+        }
+        return render(template, variables, bounds)
 
     def check(self, route: str, body: dict[str, Any]) -> None:
         """Validate what a router needs of ``body`` without tokenizing (for policies
@@ -418,3 +471,9 @@ class PromptTokenizer:
             "entries": len(self._cache),
             "bytes": self._cache_used,
         }
+
+    def template_stats(self) -> dict[str, int]:
+        """Renders of the model's template served from the shape cache (hits) or not."""
+        if self._templates is None:
+            return {"hits": 0, "misses": 0, "shapes": 0}
+        return self._templates.stats()
