@@ -39,6 +39,7 @@ import orjson
 from kvroute.errors import BadRequestError
 from kvroute.routing import bpe
 from kvroute.routing.bpe import FastBPE
+from kvroute.routing.decide_first import Prompt, Tails
 from kvroute.routing.prompts import MAX_TOKEN_ID, prompt_batch, token_list
 from kvroute.routing.template_cache import TemplateCache, why_not_cacheable
 from kvroute.routing.templates import (
@@ -62,6 +63,10 @@ log = logging.getLogger("kvroute.routing.tokenization")
 # The thread hop costs ~0.3 ms of CPU here, about what encoding 1,000 characters costs;
 # past 2,048 characters (~500 tokens) keeping the loop free is worth it.
 OFFLOAD_CHARS = 2048
+# Decide first: how much of the first uncached text is encoded before deciding (whole
+# pre-tokenizer pieces, at least this many characters): a role header and the first
+# words, where a new message usually parts from what the index holds.
+HEAD_CHARS = 48
 
 
 def default_tokenizer_dir() -> str | None:
@@ -163,6 +168,8 @@ class PromptTokenizer:
         self._lock = threading.Lock()
         # Renders of the model's own template by conversation shape (template_cache).
         self._templates: TemplateCache | None = None
+        # Rests of prompts routed before they were encoded (decide first).
+        self.tails = Tails()
         if tokenizer_dir is not None:
             self._load(tokenizer_dir)
             if fast_bpe:
@@ -223,6 +230,11 @@ class PromptTokenizer:
         if specials:
             alternation = "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True))
             self._special = re.compile(f"({alternation})")
+
+    @property
+    def fast(self) -> bool:
+        """Whether the exact fast BPE encodes (what decide first needs)."""
+        return self._bpe is not None
 
     @property
     def uses_bytes(self) -> bool:
@@ -461,6 +473,63 @@ class PromptTokenizer:
             return await self.encode_text_async(first, add_special_tokens=True)
         ids: Sequence[int] = first
         return ids
+
+    # ------------------------------------------------------------------ decide first
+
+    async def partial(self, route: str, body: dict[str, Any]) -> Prompt:
+        """Like ``tokens_for``, but text not in the segment cache is left pending where
+        the fast BPE can split it exactly (``kvroute.routing.decide_first``); token-ID
+        prompts, and everything without the fast BPE, come back complete."""
+        text: str | None = None
+        special = False
+        if self._bpe is not None and route == "chat":
+            messages = _check_messages(body.get("messages"))
+            text = await self.render_chat_async(messages, body)
+        elif self._bpe is not None and route != "chat":
+            prompts, field = self._prompts(route, body)
+            if isinstance(prompts[0], str) and field != "input_ids":
+                text, special = prompts[0], True
+        if text is None:
+            ids = await self.tokens_for(route, body)
+            return Prompt(ids if isinstance(ids, array.array) else array.array("I", ids))
+        return self.partial_text(text, add_special_tokens=special)
+
+    def partial_text(self, text: str, *, add_special_tokens: bool = False) -> Prompt:
+        """``text``'s IDs up to its first piece not in the segment cache, plus that
+        piece's first pre-tokenizer pieces (``HEAD_CHARS``); the rest pending, with a
+        bound on its token count. Complete when nothing is missing."""
+        prefix = self._prefix_specials if add_special_tokens else []
+        parts, missing = self._lookup(self._pieces(text))
+        if not missing or self._bpe is None:
+            found = self._encode_missing(missing) if missing else {}
+            return Prompt(self._assemble(parts, found, prefix))
+        first = next(i for i, p in enumerate(parts) if isinstance(p, str))
+        known = self._assemble(parts[:first], {}, prefix)
+        head = self._bpe.split_head(str(parts[first]), HEAD_CHARS)
+        rest = parts[first + 1 :]
+        hi = 0
+        if head is not None:
+            known.extend(head[0])
+            hi += len(head[1].encode("utf-8", "surrogatepass"))
+        else:
+            hi += self._bpe.token_bounds(str(parts[first]))[1]
+        for part in rest:
+            hi += self._bpe.token_bounds(part)[1] if isinstance(part, str) else len(part)
+        return Prompt(known, missing, hi, parts, list(prefix))
+
+    def finish(self, prompt: Prompt) -> array.array[int]:
+        """The whole prompt's IDs: encodes what ``prompt`` left pending (and caches it)."""
+        if prompt.complete:
+            return prompt.known
+        found = self._encode_missing(prompt.pending)
+        return self._assemble(prompt.parts, found, prompt.prefix)
+
+    async def finish_async(self, prompt: Prompt) -> array.array[int]:
+        """``finish`` in a worker thread when the text left is long (as
+        ``encode_text_async``), else on the loop."""
+        if sum(len(t) for t in prompt.pending) > OFFLOAD_CHARS:
+            return await asyncio.to_thread(self.finish, prompt)
+        return self.finish(prompt)
 
     def cache_stats(self) -> dict[str, float]:
         total = self.cache_hits + self.cache_misses

@@ -44,8 +44,9 @@ from kvroute.fleet.models import (
     requested_model,
 )
 from kvroute.fleet.registry import Registry, Reservation
+from kvroute.routing.decide_first import Prompt, Tail, early, eligible
 from kvroute.routing.load import Ticket, max_tokens_of
-from kvroute.routing.policies.base import RouteRequest
+from kvroute.routing.policies.base import Decision, RouteRequest
 from kvroute.service.attempts import Attempts, Job, answer_chunks, usage
 from kvroute.service.quarantine import fingerprint, output_tokens
 from kvroute.service.routes import for_index
@@ -163,6 +164,10 @@ class Forwarder:
     def __init__(self, state: RouterState) -> None:
         self.s = state
         self.attempts = Attempts(state)
+        self.decide_first = (
+            state.settings.decide_first and eligible(state.policy) and state.tokenizer.fast
+        )
+        self._tasks: set[asyncio.Task[None]] = set()  # rests being encoded (decide first)
 
     def _headers(self, request: Request) -> dict[str, str]:
         out = {"content-type": "application/json"}
@@ -189,11 +194,15 @@ class Forwarder:
         stream = obj.get("stream") is True
         model = self._model(kind, obj)
         index_kind, index_obj = for_index(kind, obj)
+        early: Prompt | None = None  # decide first: the prompt's rest is encoded after
         if s.policy.needs_tokens:
-            tokens: Sequence[int] = await s.tokenizer.tokens_for(index_kind, index_obj)
+            if self.decide_first:
+                tokens, early = await self._decide_first(index_kind, index_obj, kind, obj, model)
+            else:
+                tokens = await s.tokenizer.tokens_for(index_kind, index_obj)
+                tokens = self._partitioned(kind, obj, model, tokens)
             if len(tokens) == 0:
                 raise BadRequestError("the prompt is empty")
-            tokens = self._partitioned(kind, obj, model, tokens)
             request.state.prompt_tokens = len(tokens)  # for the access log
         else:
             s.tokenizer.check(index_kind, index_obj)
@@ -226,7 +235,9 @@ class Forwarder:
             model=model,
             expected_out=s.work.expected_output(max_tokens_of(obj)),
         )
-        if s.recorder is not None:
+        if early is not None:
+            job.on_decision = self._after_decision(job, early, kind, obj, model)
+        elif s.recorder is not None:
             s.recorder.record(kind, obj, tokens)  # queued, never waits (--record)
         answer = await self.attempts.run(job)
         upstream, decision, res = answer.upstream, answer.decision, answer.reservation
@@ -259,6 +270,70 @@ class Forwarder:
             self._reuse(content, decision.matched_tokens, source)
         raw.append((b"content-length", str(len(content)).encode()))
         return RawResponse(content, upstream.status_code, raw)
+
+    async def _decide_first(
+        self,
+        index_kind: str,
+        index_obj: dict[str, Any],
+        kind: str,
+        obj: dict[str, Any],
+        model: str | None,
+    ) -> tuple[Sequence[int], Prompt | None]:
+        """The tokens to route on, and the prompt when they are only its start
+        (``kvroute.routing.decide_first``: the rest cannot change the decision)."""
+        s = self.s
+        prompt = await s.tokenizer.partial(index_kind, index_obj)
+        if not prompt.complete:
+            # Every earlier early prompt is in the index before the rule looks at it;
+            # from here to the decision there is no await, so the rule sees its state.
+            s.tokenizer.tails.settle()
+            known = self._partitioned(kind, obj, model, prompt.known)
+            loads = s.registry.loads(exclude=set(), model=model)
+            if not len(s.quarantine) and loads and early(s.policy, known, prompt.hi, loads):
+                s.tokenizer.tails.early += 1
+                return known, prompt
+            s.tokenizer.tails.encoded_first += 1
+        whole = await s.tokenizer.finish_async(prompt)
+        return self._partitioned(kind, obj, model, whole), None
+
+    def _after_decision(
+        self, job: Job, prompt: Prompt, kind: str, obj: dict[str, Any], model: str | None
+    ) -> Callable[[Decision], None]:
+        """What the first decision of an early-routed request starts: the rest encoded
+        after the send, then the whole prompt inserted for the chosen worker and made
+        the request's route (``Tails.settle`` does it sooner if another decision comes)."""
+        s = self.s
+        tails = s.tokenizer.tails
+        started = False
+
+        def decided(decision: Decision) -> None:
+            nonlocal started
+            if started:
+                return  # a retry: the tail already follows the first decision
+            started = True
+
+            def done(ids: array[int]) -> None:
+                whole = self._partitioned(kind, obj, model, ids)
+                s.policy.index.insert(decision.worker, whole)  # type: ignore[attr-defined]
+                job.route.tokens = whole
+                if s.recorder is not None:
+                    s.recorder.record(kind, obj, whole)
+
+            tail = Tail(lambda: s.tokenizer.finish(prompt), done)
+            tails.add(tail)
+            task = asyncio.get_running_loop().create_task(self._finish(tail, prompt))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        return decided
+
+    async def _finish(self, tail: Tail, prompt: Prompt) -> None:
+        await asyncio.sleep(0)  # the request's send goes first
+        try:
+            tail.ids = await self.s.tokenizer.finish_async(prompt)
+        finally:
+            self.s.tokenizer.tails.drop(tail)
+            tail.settle()
 
     def _model(self, kind: str, obj: dict[str, Any]) -> str | None:
         """The model the request asks for, refused with 404 when no worker serves it."""
