@@ -539,6 +539,10 @@ class PromptTokenizer:
             "hit_rate": self.cache_hits / total if total else 0.0,
             "entries": len(self._cache),
             "bytes": self._cache_used,
+            "template_hits": self._templates.hits if self._templates is not None else 0,
+            "template_misses": self._templates.misses if self._templates is not None else 0,
+            "decided_early": self.tails.early,
+            "encoded_first": self.tails.encoded_first,
         }
 
     def template_stats(self) -> dict[str, int]:
