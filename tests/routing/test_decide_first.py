@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvroute._native import PrefixIndex
-from kvroute.routing.decide_first import early, eligible
+from kvroute.routing.decide_first import decide_on, early, eligible, verdict
 from kvroute.routing.policies import create_policy
 from kvroute.routing.policies.base import RouteRequest
 from kvroute.routing.tokenization import PromptTokenizer, default_tokenizer_dir
@@ -76,9 +76,11 @@ def test_early_decisions_equal_whole_prompt_decisions(
         whole = reference.encode_text(text)
         want = b.select(RouteRequest(tokens=whole), loads)
         prompt = fast.partial_text(text)
-        if not prompt.complete and early(a, prompt.known, prompt.hi, loads):
+        start = None if prompt.complete else decide_on(fast, prompt, a, loads)
+        if start is not None:
             early_count += 1
-            got = a.select(RouteRequest(tokens=prompt.known), loads)
+            prompt = start[0]
+            got = a.select(RouteRequest(tokens=start[1]), loads)
             finished = fast.finish(prompt)
             a.index.insert(got.worker, finished)
         else:
@@ -111,6 +113,12 @@ def test_the_rule_encodes_first_where_the_rest_could_matter() -> None:
     # 60 of 64 known tokens match: above 0.5 for any rest up to 55 tokens, not beyond.
     assert early(p, part, 55, loads)
     assert not early(p, part, 56, loads)
+    # A short start after a shared 3-token header: above 0.5 at |K| only, so a start of
+    # ceil(3 / 0.5) = 6 tokens would do (the head is lengthened to it).
+    p.index.insert("w2", [500, 501, 502, 1])
+    short = array.array("I", [500, 501, 502, 9, 9])
+    assert verdict(p, short, 1000, loads) == 6
+    assert verdict(p, array.array("I", [500, 501, 502, 9, 9, 9]), 994, loads) == 0
     # Below the threshold whatever the rest's length: a miss either way.
     assert early(p, array.array("I", [*range(10), 7] * 3), 1000, loads)
 
@@ -131,3 +139,20 @@ def test_only_cache_aware_on_request_counts_is_eligible(
         p = create_policy(name, PrefixIndex(None), **settings_)
         p.precise = object()  # precise mode: block hashes cover whole blocks
         assert not eligible(p)
+
+
+def test_a_lengthened_head_is_a_prefix_of_the_whole_prompt(
+    tokenizers: tuple[PromptTokenizer, PromptTokenizer],
+) -> None:
+    fast, reference = tokenizers
+    fast.encode_text(_chat("a system prompt", []))  # the system prompt is cached
+    text = _chat("a system prompt", ["the new message 东京 🙂 " * 20])
+    whole = reference.encode_text(text)
+    prompt = fast.partial_text(text)
+    assert not prompt.complete
+    longer = fast.lengthen(prompt, len(prompt.known) + 30)
+    assert longer is not None and len(longer.known) >= len(prompt.known) + 30
+    assert list(longer.known) == list(whole[: len(longer.known)])
+    assert longer.hi >= len(whole) - len(longer.known)
+    assert fast.finish(longer) == whole
+    assert fast.lengthen(prompt, len(whole) + 1000) is None  # the piece is too short

@@ -21,8 +21,11 @@ without precise mode; every other policy gets whole prompts:
    ``matched`` the longest match and the longest healthy one. The policy, handed ``K``,
    divides by ``|K|``; on ``P`` it would divide by ``|K| + T``. The side of the threshold
    is the same for every ``T`` in ``[0, hi]`` when it is the same at ``|K|`` and at
-   ``|K| + hi`` (the ratio falls as the length grows): then decide on ``K``, else encode
-   first.
+   ``|K| + hi`` (the ratio falls as the length grows): then decide on ``K``. When it is
+   above at ``|K|`` only (a short start after a short common header), a start of
+   ``ceil(matched / threshold)`` tokens is below at both ends, so the head is lengthened
+   once to that and the rule asked again (the matches stay: they end inside ``K``);
+   otherwise encode first.
 4. The decision inserts ``K`` for the chosen worker; the rest is encoded after the
    request is sent (off the event loop when long), and ``P`` is inserted for that worker
    and becomes the request's route (a retry routes on the whole prompt). Before any
@@ -37,6 +40,7 @@ that work for the next decisions, so the prompt's exact length can change a deci
 from __future__ import annotations
 
 import array
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,13 +52,16 @@ class Prompt:
 
     ``known``: the exact IDs of the prompt's start (all of it when ``pending`` is
     empty); ``pending``: distinct texts still to encode; ``hi``: a bound on the tokens
-    after ``known``; ``parts``/``prefix``: how ``finish`` assembles the whole prompt."""
+    after ``known``; the rest: how ``finish`` assembles the whole prompt."""
 
     known: array.array[int]
     pending: list[str] = field(default_factory=list)
     hi: int = 0
-    parts: list[str | tuple[int, ...]] = field(default_factory=list)
-    prefix: list[int] = field(default_factory=list)
+    parts: list[str | array.array[int]] = field(default_factory=list)
+    first: int = -1  # parts[first]: the first piece to encode, whose head ends ``known``
+    head: int = 0  # IDs of that head
+    rest: str | None = None  # that piece after its head (None: not split)
+    after: int = 0  # the bound on the tokens of the parts after that piece
 
     @property
     def complete(self) -> bool:
@@ -70,20 +77,57 @@ def eligible(policy: Any) -> bool:
     )
 
 
-def early(policy: Any, known: Any, hi: int, loads: Mapping[str, int]) -> bool:
-    """True when deciding on ``known`` (the start of a prompt with at most ``hi`` more
-    tokens) gives the decision the whole prompt would get. Call it right before
-    ``select``, with no ``await`` between."""
+def verdict(policy: Any, known: Any, hi: int, loads: Mapping[str, int]) -> int:
+    """0 when deciding on ``known`` (the start of a prompt with at most ``hi`` more
+    tokens) gives the decision the whole prompt would get; -1 when the rest could
+    change it; ``L`` > 0 when it could only because ``known`` is short: a start of at
+    least ``L`` tokens (a longer head, ``PromptTokenizer.lengthen``) would do. Call it
+    right before ``select``, with no ``await`` between."""
     n = len(known)
     if n == 0:
-        return False
+        return -1
     per: dict[str, int] = policy.index.match(known)
     best = max(per.values(), default=0)
     if best >= n:
-        return False
+        return -1
     healthy = max((m for w, m in per.items() if w in loads), default=0)
     t = policy.cache_threshold
-    return all((m / n > t) == (m / (n + hi) > t) for m in (best, healthy))
+    need = 0
+    for m in (best, healthy):
+        if (m / n > t) != (m / (n + hi) > t):
+            # Above the threshold at |K| only: from ceil(m / t) tokens on, below at both
+            # ends (a longer start keeps the matches: they end inside K).
+            if t <= 0 or m / (n + hi) > t:
+                return -1
+            need = max(need, math.ceil(m / t))
+    return need
+
+
+def early(policy: Any, known: Any, hi: int, loads: Mapping[str, int]) -> bool:
+    """``verdict`` is 0: decide on ``known``."""
+    return verdict(policy, known, hi, loads) == 0
+
+
+def decide_on(
+    tokenizer: Any,
+    prompt: Prompt,
+    policy: Any,
+    loads: Mapping[str, int],
+    wrap: Callable[[array.array[int]], Any] | None = None,
+) -> tuple[Prompt, Any] | None:
+    """(the prompt, the tokens to route on) when its known start decides (``verdict``;
+    once lengthened when it was only too short), else None: encode first. ``wrap``: what
+    the caller routes on for given IDs (a partition token in front)."""
+    known = wrap(prompt.known) if wrap else prompt.known
+    v = verdict(policy, known, prompt.hi, loads)
+    if v > 0:
+        longer = tokenizer.lengthen(prompt, v - (len(known) - len(prompt.known)))
+        if longer is None:
+            return None
+        prompt = longer
+        known = wrap(prompt.known) if wrap else prompt.known
+        v = verdict(policy, known, prompt.hi, loads)
+    return (prompt, known) if v == 0 else None
 
 
 class Tails:

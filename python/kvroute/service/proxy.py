@@ -44,7 +44,7 @@ from kvroute.fleet.models import (
     requested_model,
 )
 from kvroute.fleet.registry import Registry, Reservation
-from kvroute.routing.decide_first import Prompt, Tail, early, eligible
+from kvroute.routing.decide_first import Prompt, Tail, decide_on, eligible
 from kvroute.routing.load import Ticket, max_tokens_of
 from kvroute.routing.policies.base import Decision, RouteRequest
 from kvroute.service.attempts import Attempts, Job, answer_chunks, usage
@@ -164,8 +164,11 @@ class Forwarder:
     def __init__(self, state: RouterState) -> None:
         self.s = state
         self.attempts = Attempts(state)
+        # Decide first where its rule holds: the fast BPE, no engine events, no shared
+        # store (other routers would see the known start before the whole prompt).
+        st = state.settings
         self.decide_first = (
-            state.settings.decide_first and eligible(state.policy) and state.tokenizer.fast
+            st.decide_first and state.tokenizer.fast and not st.kv_events and not st.state_store
         )
         self._tasks: set[asyncio.Task[None]] = set()  # rests being encoded (decide first)
 
@@ -196,7 +199,7 @@ class Forwarder:
         index_kind, index_obj = for_index(kind, obj)
         early: Prompt | None = None  # decide first: the prompt's rest is encoded after
         if s.policy.needs_tokens:
-            if self.decide_first:
+            if self.decide_first and eligible(s.policy):
                 tokens, early = await self._decide_first(index_kind, index_obj, kind, obj, model)
             else:
                 tokens = await s.tokenizer.tokens_for(index_kind, index_obj)
@@ -287,11 +290,19 @@ class Forwarder:
             # Every earlier early prompt is in the index before the rule looks at it;
             # from here to the decision there is no await, so the rule sees its state.
             s.tokenizer.tails.settle()
-            known = self._partitioned(kind, obj, model, prompt.known)
             loads = s.registry.loads(exclude=set(), model=model)
-            if not len(s.quarantine) and loads and early(s.policy, known, prompt.hi, loads):
+            start = None
+            if not len(s.quarantine) and loads:
+                start = decide_on(
+                    s.tokenizer,
+                    prompt,
+                    s.policy,
+                    loads,
+                    lambda ids: self._partitioned(kind, obj, model, ids),
+                )
+            if start is not None:
                 s.tokenizer.tails.early += 1
-                return known, prompt
+                return start[1], start[0]
             s.tokenizer.tails.encoded_first += 1
         whole = await s.tokenizer.finish_async(prompt)
         return self._partitioned(kind, obj, model, whole), None
