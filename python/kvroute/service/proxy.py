@@ -47,6 +47,7 @@ from kvroute.fleet.registry import Registry, Reservation
 from kvroute.routing.decide_first import Prompt, Tail, decide_on, eligible
 from kvroute.routing.load import Ticket, max_tokens_of
 from kvroute.routing.policies.base import Decision, RouteRequest
+from kvroute.routing.tokenization import OFFLOAD_CHARS
 from kvroute.service.attempts import Attempts, Job, answer_chunks, usage
 from kvroute.service.quarantine import fingerprint, output_tokens
 from kvroute.service.routes import for_index
@@ -332,19 +333,28 @@ class Forwarder:
 
             tail = Tail(lambda: s.tokenizer.finish(prompt), done)
             tails.add(tail)
-            task = asyncio.get_running_loop().create_task(self._finish(tail, prompt))
+            loop = asyncio.get_running_loop()
+            if sum(map(len, prompt.pending)) <= OFFLOAD_CHARS:
+                # Short: on the loop, in a callback that runs once the request's own
+                # task has yielded at its send (cheaper than a task or a thread hop).
+                loop.call_soon(self._settle, tail)
+                return
+            task = loop.create_task(self._finish(tail, prompt))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
         return decided
 
+    def _settle(self, tail: Tail) -> None:
+        self.s.tokenizer.tails.drop(tail)
+        tail.settle()
+
     async def _finish(self, tail: Tail, prompt: Prompt) -> None:
         await asyncio.sleep(0)  # the request's send goes first
         try:
-            tail.ids = await self.s.tokenizer.finish_async(prompt)
+            tail.ids = await asyncio.to_thread(self.s.tokenizer.finish, prompt)
         finally:
-            self.s.tokenizer.tails.drop(tail)
-            tail.settle()
+            self._settle(tail)
 
     def _model(self, kind: str, obj: dict[str, Any]) -> str | None:
         """The model the request asks for, refused with 404 when no worker serves it."""
