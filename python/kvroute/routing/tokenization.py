@@ -37,9 +37,10 @@ import numpy
 import orjson
 
 from kvroute.errors import BadRequestError
-from kvroute.routing import bpe
+from kvroute.routing import bpe, partial
 from kvroute.routing.bpe import FastBPE
 from kvroute.routing.decide_first import Prompt, Tails
+from kvroute.routing.partial import HEAD_CHARS
 from kvroute.routing.prompts import MAX_TOKEN_ID, prompt_batch, token_list
 from kvroute.routing.template_cache import TemplateCache, why_not_cacheable
 from kvroute.routing.templates import (
@@ -66,10 +67,6 @@ IDs: TypeAlias = "array.array[int]"
 # The thread hop costs ~0.3 ms of CPU here, about what encoding 1,000 characters costs;
 # past 2,048 characters (~500 tokens) keeping the loop free is worth it.
 OFFLOAD_CHARS = 2048
-# Decide first: how much of the first uncached text is encoded before deciding (whole
-# pre-tokenizer pieces, at least this many characters): a role header and the first
-# words, where a new message usually parts from what the index holds.
-HEAD_CHARS = 16
 
 
 def default_tokenizer_dir() -> str | None:
@@ -507,74 +504,16 @@ class PromptTokenizer:
     def partial_text(
         self, text: str, *, add_special_tokens: bool = False, head_chars: int = HEAD_CHARS
     ) -> Prompt:
-        """``text``'s IDs up to its first piece not in the segment cache, plus that
-        piece's first pre-tokenizer pieces (``head_chars``); the rest pending, with a
-        bound on its token count. Complete when nothing is missing."""
-        prefix = self._prefix_specials if add_special_tokens else []
-        parts, missing = self._lookup(self._pieces(text))
-        if not missing or self._bpe is None:
-            found = self._encode_missing(missing) if missing else {}
-            return Prompt(self._assemble(parts, found, prefix))
-        first = next(i for i, p in enumerate(parts) if isinstance(p, str))
-        after = 0
-        for part in parts[first + 1 :]:
-            after += self._bpe.token_bounds(part)[1] if isinstance(part, str) else len(part)
-        known = self._assemble(parts[:first], {}, prefix)
-        prompt = Prompt(known, missing, 0, parts, first, 0, None, after)
-        split = self._split(prompt, known, head_chars)
-        if split is not None:
-            return split
-        prompt.hi = self._bpe.token_bounds(str(parts[first]))[1] + after
-        return prompt
-
-    def _split(self, prompt: Prompt, base: IDs, head_chars: int) -> Prompt | None:
-        """``prompt`` with the first piece's head of ``head_chars`` characters after
-        ``base`` (the IDs before that piece); None where the piece cannot be split."""
-        if self._bpe is None:
-            return None
-        head = self._bpe.split_head(str(prompt.parts[prompt.first]), head_chars)
-        if head is None:
-            return None
-        known = array.array("I", base)
-        known.extend(head[0])
-        hi = len(head[1].encode("utf-8", "surrogatepass")) + prompt.after
-        return Prompt(
-            known, prompt.pending, hi, prompt.parts, prompt.first, len(head[0]), head[1],
-            prompt.after,
-        )  # fmt: skip
+        """``text``'s known start and its rest (``kvroute.routing.partial``)."""
+        return partial.partial_text(self, text, add_special_tokens, head_chars)
 
     def lengthen(self, prompt: Prompt, tokens: int) -> Prompt | None:
-        """``prompt`` with a known start of at least ``tokens`` IDs (a longer head of its
-        first piece to encode), or None when the piece is too short or cannot be split."""
-        if prompt.complete or prompt.rest is None:
-            return None
-        base = prompt.known[: len(prompt.known) - prompt.head]
-        longer = self._split(prompt, base, 4 * max(tokens - len(base), 0) + HEAD_CHARS)
-        return longer if longer is not None and len(longer.known) >= tokens else None
+        """``prompt`` with a known start of at least ``tokens`` IDs, or None."""
+        return partial.lengthen(self, prompt, tokens)
 
     def finish(self, prompt: Prompt) -> IDs:
-        """The whole prompt's IDs: encodes what ``prompt`` left pending (and caches it).
-        The first piece's head is not encoded again: head + the rest's IDs are exactly
-        the piece's (``FastBPE.split_head``)."""
-        if prompt.complete:
-            return prompt.known
-        known, parts = prompt.known, prompt.parts
-        piece = str(parts[prompt.first])
-        others = [t for t in prompt.pending if t != piece]
-        found = self._encode_missing(others) if others else {}
-        out = array.array("I", known)
-        if prompt.rest is not None and self._bpe is not None:
-            rest_ids = array.array("I", self._bpe.encode(prompt.rest))
-            ids = known[len(known) - prompt.head :]
-            ids.extend(rest_ids)
-            self._store({piece: ids})
-            out.extend(rest_ids)
-        else:
-            found.update(self._encode_missing([piece]))
-            out.extend(found[piece])
-        for part in parts[prompt.first + 1 :]:
-            out.extend(found[part] if isinstance(part, str) else part)
-        return out
+        """The whole prompt's IDs (``kvroute.routing.partial``)."""
+        return partial.finish(self, prompt)
 
     async def finish_async(self, prompt: Prompt) -> array.array[int]:
         """``finish`` in a worker thread when the text left is long (as
