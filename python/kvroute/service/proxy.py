@@ -16,6 +16,7 @@ goes away (which also closes the upstream response).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import re
@@ -44,11 +45,11 @@ from kvroute.fleet.models import (
     requested_model,
 )
 from kvroute.fleet.registry import Registry, Reservation
-from kvroute.routing.decide_first import Prompt, Tail, decide_on, eligible
+from kvroute.routing.decide_first import Prompt, eligible
 from kvroute.routing.load import Ticket, max_tokens_of
-from kvroute.routing.policies.base import Decision, RouteRequest
-from kvroute.routing.tokenization import OFFLOAD_CHARS
+from kvroute.routing.policies.base import RouteRequest
 from kvroute.service.attempts import Attempts, Job, answer_chunks, usage
+from kvroute.service.early import EarlyRouting
 from kvroute.service.quarantine import fingerprint, output_tokens
 from kvroute.service.routes import for_index
 
@@ -165,13 +166,7 @@ class Forwarder:
     def __init__(self, state: RouterState) -> None:
         self.s = state
         self.attempts = Attempts(state)
-        # Decide first where its rule holds: the fast BPE, no engine events, no shared
-        # store (other routers would see the known start before the whole prompt).
-        st = state.settings
-        self.decide_first = (
-            st.decide_first and state.tokenizer.fast and not st.kv_events and not st.state_store
-        )
-        self._tasks: set[asyncio.Task[None]] = set()  # rests being encoded (decide first)
+        self.early = EarlyRouting(state) if EarlyRouting.applies(state) else None
 
     def _headers(self, request: Request) -> dict[str, str]:
         out = {"content-type": "application/json"}
@@ -200,8 +195,9 @@ class Forwarder:
         index_kind, index_obj = for_index(kind, obj)
         early: Prompt | None = None  # decide first: the prompt's rest is encoded after
         if s.policy.needs_tokens:
-            if self.decide_first and eligible(s.policy):
-                tokens, early = await self._decide_first(index_kind, index_obj, kind, obj, model)
+            if self.early is not None and eligible(s.policy):
+                wrap = functools.partial(self._partitioned, kind, obj, model)
+                tokens, early = await self.early.tokens(index_kind, index_obj, model, wrap)
             else:
                 tokens = await s.tokenizer.tokens_for(index_kind, index_obj)
                 tokens = self._partitioned(kind, obj, model, tokens)
@@ -239,8 +235,8 @@ class Forwarder:
             model=model,
             expected_out=s.work.expected_output(max_tokens_of(obj)),
         )
-        if early is not None:
-            job.on_decision = self._after_decision(job, early, kind, obj, model)
+        if early is not None and self.early is not None:
+            job.on_decision = self.early.after_decision(job, early, kind, obj, wrap)
         elif s.recorder is not None:
             s.recorder.record(kind, obj, tokens)  # queued, never waits (--record)
         answer = await self.attempts.run(job)
@@ -274,87 +270,6 @@ class Forwarder:
             self._reuse(content, decision.matched_tokens, source)
         raw.append((b"content-length", str(len(content)).encode()))
         return RawResponse(content, upstream.status_code, raw)
-
-    async def _decide_first(
-        self,
-        index_kind: str,
-        index_obj: dict[str, Any],
-        kind: str,
-        obj: dict[str, Any],
-        model: str | None,
-    ) -> tuple[Sequence[int], Prompt | None]:
-        """The tokens to route on, and the prompt when they are only its start
-        (``kvroute.routing.decide_first``: the rest cannot change the decision)."""
-        s = self.s
-        prompt = await s.tokenizer.partial(index_kind, index_obj)
-        if not prompt.complete:
-            # Every earlier early prompt is in the index before the rule looks at it;
-            # from here to the decision there is no await, so the rule sees its state.
-            s.tokenizer.tails.settle()
-            loads = s.registry.loads(exclude=set(), model=model)
-            start = None
-            if not len(s.quarantine) and loads:
-                start = decide_on(
-                    s.tokenizer,
-                    prompt,
-                    s.policy,
-                    loads,
-                    lambda ids: self._partitioned(kind, obj, model, ids),
-                )
-            if start is not None:
-                s.tokenizer.tails.early += 1
-                return start[1], start[0]
-            s.tokenizer.tails.encoded_first += 1
-        whole = await s.tokenizer.finish_async(prompt)
-        return self._partitioned(kind, obj, model, whole), None
-
-    def _after_decision(
-        self, job: Job, prompt: Prompt, kind: str, obj: dict[str, Any], model: str | None
-    ) -> Callable[[Decision], None]:
-        """What the first decision of an early-routed request starts: the rest encoded
-        after the send, then the whole prompt inserted for the chosen worker and made
-        the request's route (``Tails.settle`` does it sooner if another decision comes)."""
-        s = self.s
-        tails = s.tokenizer.tails
-        started = False
-
-        def decided(decision: Decision) -> None:
-            nonlocal started
-            if started:
-                return  # a retry: the tail already follows the first decision
-            started = True
-
-            def done(ids: array[int]) -> None:
-                whole = self._partitioned(kind, obj, model, ids)
-                s.policy.index.insert(decision.worker, whole)  # type: ignore[attr-defined]
-                job.route.tokens = whole
-                if s.recorder is not None:
-                    s.recorder.record(kind, obj, whole)
-
-            tail = Tail(lambda: s.tokenizer.finish(prompt), done)
-            tails.add(tail)
-            loop = asyncio.get_running_loop()
-            if sum(map(len, prompt.pending)) <= OFFLOAD_CHARS:
-                # Short: on the loop, in a callback that runs once the request's own
-                # task has yielded at its send (cheaper than a task or a thread hop).
-                loop.call_soon(self._settle, tail)
-                return
-            task = loop.create_task(self._finish(tail, prompt))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-        return decided
-
-    def _settle(self, tail: Tail) -> None:
-        self.s.tokenizer.tails.drop(tail)
-        tail.settle()
-
-    async def _finish(self, tail: Tail, prompt: Prompt) -> None:
-        await asyncio.sleep(0)  # the request's send goes first
-        try:
-            tail.ids = await asyncio.to_thread(self.s.tokenizer.finish, prompt)
-        finally:
-            self._settle(tail)
 
     def _model(self, kind: str, obj: dict[str, Any]) -> str | None:
         """The model the request asks for, refused with 404 when no worker serves it."""
