@@ -238,11 +238,22 @@ class Probe(Tracked):
         return (str, (str(self),))
 
 
-def _holds(
-    content: str, marker: str, questions: list[tuple[str, str, tuple[Any, ...], Any]]
-) -> bool:
+Question = tuple[str, str, tuple[Any, ...], Any]
+
+
+def _fill(text: str, fills: dict[str, str]) -> str:
+    """``text`` with each marker replaced by its message's text."""
+    if text in fills:  # the common case: a question asked of the text itself
+        return fills[text]
+    for marker, content in fills.items():
+        if marker in text:
+            text = text.replace(marker, content)
+    return text
+
+
+def _holds(fills: dict[str, str], questions: list[Question]) -> bool:
     for text, name, args, answer in questions:
-        real = text.replace(marker, content)
+        real = _fill(text, fills)
         if name == "__bool__":
             if bool(real) != answer:
                 return False
@@ -256,10 +267,10 @@ def _holds(
 
 @dataclass(slots=True)
 class Shape:
-    text: str  # the render with the marker as the last message's text
-    questions: list[tuple[str, str, tuple[Any, ...], Any]]
-    steps: int  # the learning render's steps (the same for any text giving the answers)
-    sizes: list[tuple[int, int]]  # (length, marker copies) of each tracked string
+    text: str  # the render with each probed message's text as its marker
+    questions: list[Question]
+    steps: int  # the learning render's steps (the same for any texts giving the answers)
+    sizes: list[tuple[int, list[int]]]  # (length, copies of each marker): tracked strings
     cost: int  # bytes, estimated
 
 
@@ -270,7 +281,7 @@ class TemplateCache:
         self._render = render
         self.size = size
         self.max_bytes = max_bytes
-        self.marker = f"\x00kvroute-{os.urandom(8).hex()}\x00"
+        self._tag = f"\x00kvroute-{os.urandom(8).hex()}-"
         self._shapes: OrderedDict[bytes, Shape | None] = OrderedDict()
         self._seen: OrderedDict[int, None] = OrderedDict()
         self._used = 0
@@ -278,43 +289,62 @@ class TemplateCache:
         self.hits = 0
         self.misses = 0
 
+    def _marker(self, i: int) -> str:
+        return f"{self._tag}{i}\x00"
+
     def _key(
         self, messages: list[dict[str, Any]], kwargs: dict[str, Any], tools: Any
-    ) -> bytes | None:
-        last = messages[-1]
-        if not isinstance(last.get("content"), str):
+    ) -> tuple[bytes, list[int]] | None:
+        """The shape's key (every input but the messages' texts) and the indexes of the
+        messages whose text is probed (a string; other contents stay in the key)."""
+        probed = [i for i, m in enumerate(messages) if isinstance(m.get("content"), str)]
+        if not probed:
             return None
-        rest = {k: v for k, v in last.items() if k != "content"}
+        shape = [
+            {k: v for k, v in m.items() if k != "content"}
+            if isinstance(m.get("content"), str)
+            else m
+            for m in messages
+        ]
         try:
-            key = orjson.dumps([messages[:-1], rest, kwargs, tools])
+            key = orjson.dumps([shape, kwargs, tools])
         except TypeError:
             return None
-        return None if self.marker.encode() in key else key
+        return None if self._tag.encode() in key else (key, probed)
 
     def lookup(
         self, messages: list[dict[str, Any]], kwargs: dict[str, Any], tools: Any, bounds: Bounds
     ) -> str | None:
         """The render from a learned shape, or None (render in full, then ``observe``)."""
-        key = self._key(messages, kwargs, tools)
-        if key is None:
+        found = self._key(messages, kwargs, tools)
+        if found is None:
             return None
-        content: str = messages[-1]["content"]
+        key, probed = found
         with self._lock:
             shape = self._shapes.get(key)
             if shape is not None:
                 self._shapes.move_to_end(key)
-        if shape is None or self.marker in content or shape.steps > bounds.max_steps:
+        if shape is None or shape.steps > bounds.max_steps:
             self.misses += 1
             return None
-        grow = len(content) - len(self.marker)
-        if any(n + copies * grow > bounds.max_chars for n, copies in shape.sizes):
+        contents = [messages[i]["content"] for i in probed]
+        if any(self._tag in c for c in contents):
             self.misses += 1
             return None
-        if not _holds(content, self.marker, shape.questions):
+        grow = [len(c) - len(self._marker(i)) for i, c in zip(probed, contents, strict=True)]
+        for n, copies in shape.sizes:
+            if n + sum(k * g for k, g in zip(copies, grow, strict=True)) > bounds.max_chars:
+                self.misses += 1
+                return None
+        fills = {self._marker(i): c for i, c in zip(probed, contents, strict=True)}
+        if not _holds(fills, shape.questions):
             self.misses += 1
             return None
         self.hits += 1
-        return shape.text.replace(self.marker, content)
+        text = shape.text
+        for marker, content in fills.items():
+            text = text.replace(marker, content)
+        return text
 
     def observe(
         self,
@@ -325,9 +355,10 @@ class TemplateCache:
     ) -> None:
         """After a full render of the model's template: learn the shape if it is seen
         for the second time (synchronous, in the render's thread)."""
-        key = self._key(messages, kwargs, tools)
-        if key is None:
+        found = self._key(messages, kwargs, tools)
+        if found is None:
             return
+        key, probed = found
         with self._lock:
             if key in self._shapes:
                 return
@@ -337,7 +368,7 @@ class TemplateCache:
                 if len(self._seen) > 4 * self.size:
                     self._seen.popitem(last=False)
                 return
-        shape = self._learn(messages, kwargs, tools, bounds)
+        shape = self._learn(messages, probed, kwargs, tools, bounds)
         with self._lock:
             self._shapes[key] = shape  # None: this shape is not cacheable
             self._used += len(key) + (shape.cost if shape is not None else 0) + 100
@@ -345,37 +376,51 @@ class TemplateCache:
                 old_key, old = self._shapes.popitem(last=False)
                 self._used -= len(old_key) + (old.cost if old is not None else 0) + 100
 
-    def _with(self, messages: list[dict[str, Any]], content: str) -> list[dict[str, Any]]:
-        return [*messages[:-1], {**messages[-1], "content": content}]
+    @staticmethod
+    def _with(messages: list[dict[str, Any]], texts: dict[int, str]) -> list[dict[str, Any]]:
+        return [{**m, "content": texts[i]} if i in texts else m for i, m in enumerate(messages)]
 
     def _learn(
         self,
         messages: list[dict[str, Any]],
+        probed: list[int],
         kwargs: dict[str, Any],
         tools: Any,
         bounds: Callable[[], Bounds],
     ) -> Shape | None:
         rec = _Record()
+        markers = {i: self._marker(i) for i in probed}
         try:
             b = bounds()
-            text = self._render(self._with(messages, Probe(self.marker, rec)), kwargs, tools, b)
+            probes = {i: Probe(m, rec) for i, m in markers.items()}
+            text = self._render(self._with(messages, probes), kwargs, tools, b)  # type: ignore[arg-type]
             steps = b.steps
             if rec.tainted is not None:
                 return None
-            plain = self._render(self._with(messages, self.marker), kwargs, tools, bounds())
-            if plain != text:
+            if self._render(self._with(messages, markers), kwargs, tools, bounds()) != text:
                 return None
-            check = self.marker.replace("kvroute", "check") + AWKWARD
-            if not _holds(check, self.marker, rec.questions):
-                check = self.marker.replace("kvroute", "check")
-            if not _holds(check, self.marker, rec.questions):
+            # Every text at once awkward (or, where the template branches on that, bare
+            # other markers), rendered for real against the cached render filled in.
+            checks: dict[int, str] = {}
+            for i, m in markers.items():
+                tag = m.replace("kvroute", "check")
+                pick = tag + AWKWARD
+                if not _holds({m: pick}, [q for q in rec.questions if q[0] == m]):
+                    pick = tag
+                checks[i] = pick
+            fills = {markers[i]: c for i, c in checks.items()}
+            if not _holds(fills, rec.questions):
                 return None
-            full = self._render(self._with(messages, check), kwargs, tools, bounds())
-            if full != text.replace(self.marker, check):
+            full = self._render(self._with(messages, checks), kwargs, tools, bounds())
+            want = text
+            for marker, content in fills.items():
+                want = want.replace(marker, content)
+            if full != want:
                 return None
         except Exception:  # the render's errors are the request's, already answered
             return None
-        sizes = [(len(t), t.count(self.marker)) for t in rec.derived | {text}]
+        order = [markers[i] for i in probed]
+        sizes = [(len(t), [t.count(m) for m in order]) for t in rec.derived | {text}]
         cost = sys.getsizeof(text) + sum(sys.getsizeof(q[0]) + 200 for q in rec.questions)
         return Shape(text, rec.questions, steps, sizes, cost)
 
