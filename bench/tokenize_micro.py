@@ -11,6 +11,7 @@ chat template is rendered as ``serve`` renders it (sandboxed, in its thread pool
 full in the first two variants.
 
     python bench/tokenize_micro.py --requests 200 --rounds 5
+    python bench/tokenize_micro.py --requests 200 --rounds 5 --turns 4   # histories
 
 A second table compares routing the same requests with ``cache_aware --load-metric
 requests`` (two workers, idle) on the whole prompt and with decide first
@@ -45,6 +46,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--system-words", type=int, default=1100)
     p.add_argument("--user-words", type=int, default=380)
+    p.add_argument(
+        "--turns", type=int, default=0, help="earlier user/assistant turns before the new message"
+    )
     args = p.parse_args()
     rng = random.Random(0)
 
@@ -96,15 +100,20 @@ def main() -> None:
 
     async def run() -> None:
         for _ in range(args.rounds):
-            bodies = [
-                {
-                    "messages": [
-                        {"role": "system", "content": systems[i % len(systems)]},
-                        {"role": "user", "content": text(args.user_words)},
+            bodies = []
+            for i in range(args.requests):
+                history = []
+                for _ in range(args.turns):
+                    history += [
+                        {"role": "user", "content": text(40)},
+                        {"role": "assistant", "content": text(60)},
                     ]
-                }
-                for i in range(args.requests)
-            ]
+                messages = [
+                    {"role": "system", "content": systems[i % len(systems)]},
+                    *history,
+                    {"role": "user", "content": text(args.user_words)},
+                ]
+                bodies.append({"messages": messages})
             for name, tok in variants.items():
                 t0 = time.process_time()
                 for body in bodies:

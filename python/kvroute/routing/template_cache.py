@@ -1,16 +1,16 @@
 """The model's own chat template, rendered once per conversation *shape*.
 
 Rendering the template (Jinja in the sandbox of ``kvroute.routing.templates``, in its
-thread pool) is about half of the router's tokenization CPU per chat request, yet most of
-what it renders (system prompt, earlier turns, tools, the generation prompt) repeats
-from request to request: usually only the last message's text is new. A *shape* is a
-request with that text left out: the other messages, the last one's other fields, the
-kwargs and tools. This cache renders a shape once with a **probe** in place of the last
-message's text and produces later renders of the same shape by putting the real text
-where the probe's random marker is, on the event loop, without the pool.
+thread pool) is about half of the router's tokenization CPU per chat request, yet what
+the template does with a conversation depends on its structure far more than on its
+texts. A *shape* is a request with every message's text left out: the roles and other
+fields of the messages, the kwargs and tools. This cache renders a shape once with a
+**probe** in place of each message's text and produces later renders of the same shape
+by putting the real texts where the probes' random markers are, on the event loop,
+without the pool. (A message whose content is not a string stays in the shape.)
 
-Why that is the full render's text. The probe is a ``str`` whose text is the marker;
-during its render it sees every use the template makes of it:
+Why that is the full render's text. A probe is a ``str`` whose text is its marker;
+during the render it sees every use the template makes of it:
 
 * questions with a plain answer (``startswith``, ``endswith``, ``in``, ``==``, ``len``,
   truth, ``is string``, ...) are recorded with their answers; ``strip``/``trim`` are
@@ -21,17 +21,17 @@ during its render it sees every use the template makes of it:
   ``tojson`` and the other filters and tests) marks the shape uncacheable.
 
 Output is ``str()`` of a tracked string, a verbatim copy. A cached render is used only
-when the real text gives every recorded answer, so the template takes the same branches
-and its output differs only where the text is copied in. Uses of the text the sandbox
+when the real texts give every recorded answer, so the template takes the same branches
+and its output differs only where the texts are copied in. Uses of the text the sandbox
 cannot see are kept out by refusing, at load, templates with ``~`` or block ``set``,
 macros, call and filter blocks (they join strings without ``+``), ``x in 'literal'``, the
 clock (``strftime_now``) or randomness (``random``, ``lipsum``). On top of that a shape
-is accepted only after two checks with the real renderer: the render of the marker as
-plain text equals the probe's, and the render of an awkward text (quotes, backslashes,
-newlines, markup, accents, CJK) equals the cached render with it put in.
+is accepted only after two checks with the real renderer: the render of the markers as
+plain texts equals the probes', and the render of awkward texts (quotes, backslashes,
+newlines, markup, accents, CJK, emoji) equals the cached render with them put in.
 
-A shape is learned the second time it is seen (one-off shapes, such as each turn of a
-growing conversation, cost no learning renders). Bounds: ``size`` shapes and
+A shape is learned the second time it is seen (one-off shapes cost no learning
+renders). Bounds: ``size`` shapes and
 ``max_bytes`` (estimated) in an LRU; the render's own step bound is compared with the
 steps the learning render took, and the output's size with the request's size bound
 (otherwise: a full render, which answers the bound error). Only the model's own template
