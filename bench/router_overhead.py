@@ -17,6 +17,8 @@ and answers a fixed chat completion) receive the same load five ways:
                   kvroute's own logic
 * ``kv_bytes``    kvroute cache_aware without ``--tokenizer``: routes on the prompt's
                   UTF-8 bytes, as SGLang's router routes on characters
+* ``kv_req``, ``kv_early``  optional: ``kv_cache`` with ``--load-metric requests``,
+                  without and with ``--decide-first``
 * ``kv_rr_log``   ``kv_rr`` at ``--log-level info``: with the access log (one line per
                   request, to the router's log file); every other kvroute target runs at
                   ``warning``, without it
@@ -414,7 +416,16 @@ def pct(xs: list[float], q: float) -> float:
 
 # kvroute targets; base_* run the kvroute installed for --baseline-python (an earlier
 # build), so a change is measured against its baseline in the same run.
-KVROUTE_TARGETS = ("kv_cache", "kv_rr", "kv_rr_log", "kv_bytes", "base_cache", "base_rr")
+KVROUTE_TARGETS = (
+    "kv_cache",
+    "kv_rr",
+    "kv_rr_log",
+    "kv_bytes",
+    "base_cache",
+    "base_rr",
+    "kv_req",  # kv_cache with --load-metric requests
+    "kv_early",  # kv_req with --decide-first
+)
 
 
 def start_targets(
@@ -448,6 +459,10 @@ def start_targets(
                 argv[0] = baseline_python
             level = "info" if name.endswith("_log") else "warning"
             argv += ["--policy", policy, "--log-level", level]
+            if name in ("kv_req", "kv_early"):
+                argv += ["--load-metric", "requests"]
+            if name == "kv_early":
+                argv.append("--decide-first")
             if tokenizer and name != "kv_bytes":
                 argv += ["--tokenizer", tokenizer]
             return start_server(name, argv, port, log_dir=log_dir, timeout_s=120)

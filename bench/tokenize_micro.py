@@ -2,13 +2,22 @@
 
 Chat requests like the overhead bench's (one of 8 long system prompts, then a fresh user
 message) go through ``PromptTokenizer`` with the shipped Qwen3 tokenizer, once with the
-``tokenizers`` encoder and once with the exact fast BPE (``kvroute.routing.bpe``),
-interleaved round by round so machine noise hits both alike. CPU time
-(``time.process_time``) per request; the first round warms the segment caches and is not
-counted. The chat template is rendered the same way in both (sandboxed, as ``serve``
-does).
+``tokenizers`` encoder, once with the exact fast BPE (``kvroute.routing.bpe``) and once
+with the fast BPE and the cache of rendered chat templates
+(``kvroute.routing.template_cache``), interleaved round by round so machine noise hits
+all alike. CPU time
+(``time.process_time``) per request; the first round warms the caches and is not counted. The
+chat template is rendered as ``serve`` renders it (sandboxed, in its thread pool), in
+full in the first two variants.
 
     python bench/tokenize_micro.py --requests 200 --rounds 5
+    python bench/tokenize_micro.py --requests 200 --rounds 5 --turns 4   # histories
+
+A second table compares routing the same requests with ``cache_aware --load-metric
+requests`` (two workers, idle) on the whole prompt and with decide first
+(``kvroute.routing.decide_first``): CPU from the body to the decision (what delays the
+forward at one connection), and in all (the rest encoded and inserted after the
+decision), in the same interleaved rounds.
 """
 
 from __future__ import annotations
@@ -19,6 +28,10 @@ import random
 import statistics
 import time
 
+from kvroute._native import PrefixIndex
+from kvroute.routing.decide_first import decide_on
+from kvroute.routing.policies import create_policy
+from kvroute.routing.policies.base import RouteRequest
 from kvroute.routing.tokenization import PromptTokenizer, default_tokenizer_dir
 
 WORDS = (
@@ -33,6 +46,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--system-words", type=int, default=1100)
     p.add_argument("--user-words", type=int, default=380)
+    p.add_argument(
+        "--turns", type=int, default=0, help="earlier user/assistant turns before the new message"
+    )
     args = p.parse_args()
     rng = random.Random(0)
 
@@ -42,27 +58,71 @@ def main() -> None:
     systems = [text(args.system_words) for _ in range(8)]
     qwen = default_tokenizer_dir()
     variants = {
-        "tokenizers": PromptTokenizer(qwen, fast_bpe=False),
-        "fast BPE": PromptTokenizer(qwen),
+        "tokenizers": PromptTokenizer(qwen, fast_bpe=False, template_cache=False),
+        "fast BPE": PromptTokenizer(qwen, template_cache=False),
+        "fast BPE + template cache": PromptTokenizer(qwen),
     }
     cpu: dict[str, list[float]] = {k: [] for k in variants}
+    loads = {"w0": 0, "w1": 0}
+
+    def router() -> tuple[PromptTokenizer, object]:
+        policy = create_policy("cache_aware", PrefixIndex(None), load_metric="requests")
+        for w in loads:
+            policy.on_worker_added(w)
+        return PromptTokenizer(qwen), policy
+
+    routes = {"whole prompt": router(), "decide first": router()}
+    decided: dict[str, list[float]] = {k: [] for k in routes}
+    total: dict[str, list[float]] = {k: [] for k in routes}
+    n_early = 0
+
+    async def route(name: str, body: dict[str, object]) -> tuple[float, float]:
+        nonlocal n_early
+        tok, policy = routes[name]
+        clock = time.process_time
+        t0 = clock()
+        if name == "whole prompt":
+            policy.select(RouteRequest(await tok.tokens_for("chat", body)), loads)  # type: ignore[attr-defined]
+            t = clock() - t0
+            return t, t
+        prompt = await tok.partial("chat", body)
+        start = None if prompt.complete else decide_on(tok, prompt, policy, loads)
+        if start is not None:
+            n_early += 1
+            prompt = start[0]
+            d = policy.select(RouteRequest(start[1]), loads)  # type: ignore[attr-defined]
+            t = clock() - t0
+            policy.index.insert(d.worker, tok.finish(prompt))  # type: ignore[attr-defined]
+            return t, clock() - t0
+        policy.select(RouteRequest(tok.finish(prompt)), loads)  # type: ignore[attr-defined]
+        t = clock() - t0
+        return t, t
 
     async def run() -> None:
         for _ in range(args.rounds):
-            bodies = [
-                {
-                    "messages": [
-                        {"role": "system", "content": systems[i % len(systems)]},
-                        {"role": "user", "content": text(args.user_words)},
+            bodies = []
+            for i in range(args.requests):
+                history = []
+                for _ in range(args.turns):
+                    history += [
+                        {"role": "user", "content": text(40)},
+                        {"role": "assistant", "content": text(60)},
                     ]
-                }
-                for i in range(args.requests)
-            ]
+                messages = [
+                    {"role": "system", "content": systems[i % len(systems)]},
+                    *history,
+                    {"role": "user", "content": text(args.user_words)},
+                ]
+                bodies.append({"messages": messages})
             for name, tok in variants.items():
                 t0 = time.process_time()
                 for body in bodies:
                     await tok.tokens_for("chat", body)
                 cpu[name].append((time.process_time() - t0) / len(bodies) * 1e6)
+            for name in routes:
+                times = [await route(name, body) for body in bodies]
+                decided[name].append(sum(t for t, _ in times) / len(times) * 1e6)
+                total[name].append(sum(t for _, t in times) / len(times) * 1e6)
 
     asyncio.run(run())
     base = statistics.median(cpu["tokenizers"][1:])
@@ -71,6 +131,17 @@ def main() -> None:
     for name, values in cpu.items():
         med = statistics.median(values[1:])
         print(f"| {name} ({variants[name].encoder}) | {med:.0f} | {med / base:.2f}x |")
+    cached = variants["fast BPE + template cache"].template_stats()
+    print(f"\ntemplate cache: {cached['hits']} hits, {cached['misses']} misses\n")
+    print("| route | CPU µs to the decision | ratio | CPU µs in all | ratio |")
+    print("|---|---:|---:|---:|---:|")
+    d0 = statistics.median(decided["whole prompt"][1:])
+    a0 = statistics.median(total["whole prompt"][1:])
+    for name in routes:
+        d = statistics.median(decided[name][1:])
+        a = statistics.median(total[name][1:])
+        print(f"| {name} | {d:.0f} | {d / d0:.2f}x | {a:.0f} | {a / a0:.2f}x |")
+    print(f"\ndecided early: {n_early} of {args.requests * args.rounds} requests")
 
 
 if __name__ == "__main__":

@@ -31,8 +31,11 @@ it back (``tests/test_architecture.py`` checks both).
     How a worker is chosen: ``policies/`` (one module per policy; ``cache_aware`` is the
     default), ``load`` (the work model: prefill and decode in flight per worker, learned
     speeds, predicted time to first token; shared with the simulator) and
-    ``tokenization`` (a request -> the token IDs the engine will see) and ``templates``
-    (chat templates rendered in a bounded sandbox, off the event loop).
+    ``tokenization`` (a request -> the token IDs the engine will see), ``templates``
+    (chat templates rendered in a bounded sandbox, off the event loop),
+    ``template_cache`` (the model's template rendered once per conversation shape) and
+    ``decide_first`` / ``partial`` (routing on a prompt's known start when the rest
+    cannot change the decision).
 ``events/``
     Precise mode: engines' KV cache events decoded, tracked per worker and fed to a
     ``BlockIndex`` that the policy matches on.

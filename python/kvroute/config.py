@@ -191,6 +191,9 @@ class Settings:
     log_format: str = "text"  # text | json
     access_log: bool = True
     tokenizer_cache_size: int = 8192
+    # Route on the known start of a prompt when the rest cannot change the decision
+    # (kvroute.routing.decide_first; cache_aware with --load-metric requests only).
+    decide_first: bool = False
     kv_events: list[str] = field(default_factory=list)
     # Models: what a request without ``model`` (SGLang /generate) asks for, and workers'
     # models set by the operator (``URL=MODEL[,MODEL...]``) instead of read from them.

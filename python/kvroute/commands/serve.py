@@ -430,6 +430,17 @@ def configure(p: argparse.ArgumentParser) -> None:
         "tokens, with their IDs)",
     )
     u.add_argument(
+        "--decide-first",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="route a prompt on its known start (segment-cached text and the first "
+        "words of the new text) when the rest provably cannot change the decision, and "
+        "encode the rest after forwarding; applies to cache_aware with --load-metric "
+        "requests, without --kv-events or --state-store (elsewhere the exact length "
+        "matters), with the fast BPE; decisions are identical either way "
+        "(docs/tokenization.md)",
+    )
+    u.add_argument(
         "--tokenizer-cache-bytes",
         type=int,
         default=64 * 1024 * 1024,

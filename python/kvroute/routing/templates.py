@@ -107,7 +107,12 @@ class Bounds:
             raise TemplateBoundsError("the chat template took too long to render")
 
     def size(self, value: Any) -> Any:
-        if isinstance(value, str | list | tuple | dict) and len(value) > self.max_chars:
+        # str.__len__, not len(): a Tracked string (template_cache's probe) records
+        # len() as a question the template asked of the content.
+        n = str.__len__(value) if isinstance(value, str) else None
+        if n is None and isinstance(value, list | tuple | dict):
+            n = len(value)
+        if n is not None and n > self.max_chars:
             raise TemplateBoundsError(
                 f"the chat template built a value over {self.max_chars:,} items"
             )
@@ -119,6 +124,18 @@ class Bounds:
             raise TemplateBoundsError(
                 f"the chat template would build a value of {n:,} items (bound {self.max_chars:,})"
             )
+
+
+class Tracked(str):
+    """A string the cache of rendered templates follows through a render
+    (``kvroute.routing.template_cache.Probe``). The environment hands it the operators
+    and filters it is used with; in a plain render there is none."""
+
+    def binop(self, operator: str, left: Any, right: Any) -> Any:
+        raise NotImplementedError
+
+    def used_by(self, name: str) -> None:
+        """``name`` (a filter or test) was applied to this string."""
 
 
 _BOUNDS: contextvars.ContextVar[Bounds] = contextvars.ContextVar("kvroute_template_bounds")
@@ -163,6 +180,9 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         b = _bounds()
         b.step()
+        if isinstance(left, Tracked) or isinstance(right, Tracked):
+            tracked = left if isinstance(left, Tracked) else right
+            return b.size(tracked.binop(operator, left, right))
         seqs = (str, list, tuple)
         if operator == "*":
             for seq, n in ((left, right), (right, left)):
@@ -211,7 +231,9 @@ def _bounded_filter(f: Callable[..., Any]) -> Callable[..., Any]:
         b = _bounds()
         b.step()
         for a in (*args, *kwargs.values()):
-            if isinstance(a, int) and not isinstance(a, bool) and a > b.max_chars:
+            if isinstance(a, Tracked):
+                a.used_by(f.__name__)
+            elif isinstance(a, int) and not isinstance(a, bool) and a > b.max_chars:
                 raise TemplateBoundsError("a filter was passed a number over the bound")
         strings = [a for a in args if isinstance(a, str)]
         if f.__name__ == "do_replace" and len(strings) >= 3:
@@ -220,6 +242,19 @@ def _bounded_filter(f: Callable[..., Any]) -> Callable[..., Any]:
         if f.__name__ == "do_format" and strings:
             _check_format(strings[0], brace=False)
         return b.size(f(*args, **kwargs))
+
+    return run
+
+
+def _watched_test(name: str, test: Callable[..., Any]) -> Callable[..., Any]:
+    """A test (``is lower``, ``is in``...) that tells a Tracked argument it was used."""
+
+    @functools.wraps(test)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        for a in args:
+            if isinstance(a, Tracked):
+                a.used_by("test:" + name)
+        return test(*args, **kwargs)
 
     return run
 
@@ -296,6 +331,7 @@ def make_environment() -> BoundedEnvironment:
     )
     env.filters["tojson"] = _tojson
     env.filters = {name: _bounded_filter(f) for name, f in env.filters.items()}
+    env.tests = {name: _watched_test(name, t) for name, t in env.tests.items()}  # type: ignore[arg-type]
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()

@@ -45,13 +45,19 @@ def load_tokenizer(tokenizer_dir: str) -> Any:
         ) from None
 
 
-def load_chat_template(tok: Any, tokenizer_dir: str) -> Any:
-    """The tokenizer's chat template compiled in the bounded sandbox, or None when it
-    has none. A template that does not compile raises TokenizerLoadError."""
+def chat_template_source(tok: Any) -> str | None:
+    """The tokenizer's chat template text (the default one of named templates)."""
     source = getattr(tok, "chat_template", None)
     if isinstance(source, dict):  # named templates: the default one
         source = source.get("default")
-    if not isinstance(source, str):
+    return source if isinstance(source, str) else None
+
+
+def load_chat_template(tok: Any, tokenizer_dir: str) -> Any:
+    """The tokenizer's chat template compiled in the bounded sandbox, or None when it
+    has none. A template that does not compile raises TokenizerLoadError."""
+    source = chat_template_source(tok)
+    if source is None:
         return None
     try:
         return compile_template(source)

@@ -108,6 +108,8 @@ class Job:
     expected_out: int = 0  # output tokens the work model expects
     # Chooses among the loads instead of the policy (routes with no prefix to follow).
     pick: Callable[[dict[str, int]], str] | None = None
+    # Told each decision (decide first: where the rest of the prompt goes).
+    on_decision: Callable[[Decision], None] | None = None
 
     def fp(self) -> int:
         """The request's fingerprint for quarantine (``kvroute.service.quarantine``)."""
@@ -151,6 +153,8 @@ class Attempts:
             decision = self._choose(job, loads, attempt)
             if decision is None:
                 break
+            if job.on_decision is not None:
+                job.on_decision(decision)
             on_release = None
             if decision.ticket is not None:  # the policy tracks the request until it ends
                 on_release = functools.partial(s.policy.on_done, decision)
@@ -158,6 +162,7 @@ class Attempts:
             ticket = self._reserve_work(job, decision)
             res = s.registry.reserve(decision.worker, releaser(ticket, on_release))
             outcome = await self._attempt(job, decision, res, ticket)
+            s.tokenizer.tails.settle()  # decide first: the whole prompt, for what follows
             worker = decision.worker
             tried.add(worker)
             if isinstance(outcome, Answer):
@@ -212,6 +217,7 @@ class Attempts:
         s = self.s
         if job.pick is not None:
             return Decision(job.pick(loads), "least_load")
+        s.tokenizer.tails.settle()  # prompts routed early are in the index before this
         try:
             decision = s.policy.select(job.route, loads)
         except NoWorkerError:

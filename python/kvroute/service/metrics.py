@@ -133,6 +133,24 @@ class _FleetCollector(Collector):
             value=tok["bytes"],
         )
         yield GaugeMetricFamily(
+            "kvroute_template_cache_hits",
+            "Chat renders of the model's template built from a cached shape",
+            value=tok.get("template_hits", 0),
+        )
+        yield GaugeMetricFamily(
+            "kvroute_template_cache_misses",
+            "Chat renders of the model's template rendered in full",
+            value=tok.get("template_misses", 0),
+        )
+        decide = GaugeMetricFamily(
+            "kvroute_decide_first",
+            "--decide-first: prompts routed on their known start (early) or encoded first",
+            labels=["outcome"],
+        )
+        decide.add_metric(["early"], tok.get("decided_early", 0))
+        decide.add_metric(["encoded_first"], tok.get("encoded_first", 0))
+        yield decide
+        yield GaugeMetricFamily(
             "kvroute_asyncio_tasks",
             "asyncio tasks alive in the router's event loop (requests, health checks)",
             value=snap["asyncio_tasks"],

@@ -16,6 +16,7 @@ goes away (which also closes the upstream response).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import re
@@ -44,9 +45,11 @@ from kvroute.fleet.models import (
     requested_model,
 )
 from kvroute.fleet.registry import Registry, Reservation
+from kvroute.routing.decide_first import Prompt, eligible
 from kvroute.routing.load import Ticket, max_tokens_of
 from kvroute.routing.policies.base import RouteRequest
 from kvroute.service.attempts import Attempts, Job, answer_chunks, usage
+from kvroute.service.early import EarlyRouting
 from kvroute.service.quarantine import fingerprint, output_tokens
 from kvroute.service.routes import for_index
 
@@ -163,6 +166,7 @@ class Forwarder:
     def __init__(self, state: RouterState) -> None:
         self.s = state
         self.attempts = Attempts(state)
+        self.early = EarlyRouting(state) if EarlyRouting.applies(state) else None
 
     def _headers(self, request: Request) -> dict[str, str]:
         out = {"content-type": "application/json"}
@@ -189,11 +193,16 @@ class Forwarder:
         stream = obj.get("stream") is True
         model = self._model(kind, obj)
         index_kind, index_obj = for_index(kind, obj)
+        early: Prompt | None = None  # decide first: the prompt's rest is encoded after
         if s.policy.needs_tokens:
-            tokens: Sequence[int] = await s.tokenizer.tokens_for(index_kind, index_obj)
+            if self.early is not None and eligible(s.policy):
+                wrap = functools.partial(self._partitioned, kind, obj, model)
+                tokens, early = await self.early.tokens(index_kind, index_obj, model, wrap)
+            else:
+                tokens = await s.tokenizer.tokens_for(index_kind, index_obj)
+                tokens = self._partitioned(kind, obj, model, tokens)
             if len(tokens) == 0:
                 raise BadRequestError("the prompt is empty")
-            tokens = self._partitioned(kind, obj, model, tokens)
             request.state.prompt_tokens = len(tokens)  # for the access log
         else:
             s.tokenizer.check(index_kind, index_obj)
@@ -226,7 +235,9 @@ class Forwarder:
             model=model,
             expected_out=s.work.expected_output(max_tokens_of(obj)),
         )
-        if s.recorder is not None:
+        if early is not None and self.early is not None:
+            job.on_decision = self.early.after_decision(job, early, kind, obj, wrap)
+        elif s.recorder is not None:
             s.recorder.record(kind, obj, tokens)  # queued, never waits (--record)
         answer = await self.attempts.run(job)
         upstream, decision, res = answer.upstream, answer.decision, answer.reservation
