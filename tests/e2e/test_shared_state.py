@@ -133,9 +133,18 @@ def test_load_through_one_router_steers_another(
     for w in ws:
         control(w, delay_s=10.0)  # router 1's requests stay in flight while router 2 routes
     r1, r2 = routers(2, [w.url for w in ws], redis_server.url)
-    hot = group_prompt(0, 0)
+    # One hot prefix (so router 1 keeps them on one worker), each with its own long
+    # question: router 1's 8 requests queue real prefill work there.
+    hot = group_prompt(0, 0)[: 20 * BLOCKS]
     results: list[httpx.Response] = []
-    threads = [threading.Thread(target=lambda: results.append(ask(r1, hot))) for _ in range(8)]
+    threads = [
+        threading.Thread(
+            target=lambda i=i: results.append(
+                ask(r1, hot + [30_000 + 1000 * i + k for k in range(600)])
+            )
+        )
+        for i in range(8)
+    ]
     for t in threads:
         t.start()
 
@@ -145,6 +154,15 @@ def test_load_through_one_router_steers_another(
 
     assert wait_until(lambda: max(peer_load().values()) == 8), peer_load()
     busy = max(peer_load(), key=lambda u: peer_load()[u])
+
+    # Router 2 also knows they all wait for a first byte, and how much prefill they hold:
+    # at least each one's own 600 tokens (the prefix's digest blocks may be predicted cached).
+    def queued() -> tuple[int, int]:
+        rows = httpx.get(r2.url + "/workers", timeout=5).json()
+        row = next(w for w in rows if w["url"] == busy)
+        return row["peer_prefill_requests"], row["peer_prefill_tokens"]
+
+    assert wait_until(lambda: queued()[0] == 8 and queued()[1] >= 8 * 600), queued()
     # New prefixes through router 2: it sees router 1's 8 requests on ``busy``.
     answers: list[httpx.Response] = []
     others = [
@@ -160,6 +178,8 @@ def test_load_through_one_router_steers_another(
     assert [r.headers["x-kvroute-worker"] for r in answers].count(busy) == 0
     # Router 1's requests ended: their load leaves router 2's view.
     assert wait_until(lambda: max(peer_load().values()) == 0)
+    rows = httpx.get(r2.url + "/workers", timeout=5).json()
+    assert all(w["peer_prefill_requests"] == 0 and w["peer_prefill_tokens"] == 0 for w in rows)
 
 
 def test_worker_added_on_one_router_is_used_by_the_others(

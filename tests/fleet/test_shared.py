@@ -126,3 +126,39 @@ def test_decisions_pack_into_one_entry_and_bad_blobs_are_refused() -> None:
     for bad in (blob[:-1], blob[:3], wire.pack_inserts([("http://w:1", b"\x00" * 7)])):
         with pytest.raises(ValueError):
             list(wire.unpack_inserts(bad))
+
+
+def test_queued_prefill_reaches_the_other_routers_work_model() -> None:
+    from kvroute.fleet.shared.prefill import SharedPrefill
+    from kvroute.routing.load import LoadModel
+
+    mine, theirs = LoadModel(), LoadModel()
+    woken: list[int] = []
+    pub = SharedPrefill(mine, lambda: woken.append(1))
+    sub = SharedPrefill(theirs, lambda: None)
+    for m in (mine, theirs):
+        m.add_worker("http://a")
+        m.add_worker("http://b")
+    before = theirs.ahead("http://a")
+    t1 = mine.reserve("http://a", 5000, 10, 0.0)
+    t2 = mine.reserve("http://a", 3000, 10, 0.0)
+    assert woken and pub.dirty
+    sub.apply(b"r1", pub.take())
+    assert not pub.dirty
+    assert (sub.pending, sub.tokens) == ({"http://a": 2}, {"http://a": 8000})
+    # The other router predicts the queue ahead on a from the shared tokens.
+    assert theirs.ahead("http://a") > before + 7000 / 15_000
+    assert theirs.ahead("http://b") == 0.0
+    t1.first_byte(0.1)
+    t2.end(0.2)
+    sub.apply(b"r1", pub.take())  # absolute values: back to nothing queued
+    assert (sub.pending, sub.tokens) == ({}, {})
+    # A router whose heartbeat expired stops counting.
+    mine.reserve("http://b", 100, 10, 0.3)
+    sub.apply(b"r1", pub.take())
+    sub.apply(b"r2", b"\x08\x00\x03\x00\x00\x00\x10\x00\x00\x00http://b")
+    assert (sub.pending, sub.tokens) == ({"http://b": 4}, {"http://b": 116})
+    sub.keep({b"r2"})
+    assert (sub.pending, sub.tokens) == ({"http://b": 3}, {"http://b": 16})
+    with pytest.raises(ValueError):
+        sub.apply(b"r3", b"\x08\x00\x03\x00")

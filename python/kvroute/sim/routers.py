@@ -124,6 +124,9 @@ class RouterTier:
         self.heartbeat_s = heartbeat_s
         # Published decisions in flight to the store: (visible at, publisher, worker, digests).
         self._wire: deque[tuple[float, int, str, bytes]] = deque()
+        # Published queued prefill, whenever it changes: (visible at, publisher, worker,
+        # its requests waiting for a first byte there, their uncached tokens).
+        self._work_wire: deque[tuple[float, int, str, int, int]] = deque()
         self._now = 0.0
         self._next_beat = 0.0
         if self.shared:
@@ -136,13 +139,24 @@ class RouterTier:
         self.peer: list[dict[str, int]] = [dict.fromkeys(self.names, 0) for _ in self.policies]
         self.loads: list[dict[str, int]] = [dict.fromkeys(self.names, 0) for _ in self.policies]
         self.others: list[dict[str, int]] = [dict.fromkeys(self.names, 0) for _ in self.policies]
+        # Per replica, the others' requests waiting for a first byte and their prefill
+        # tokens per worker (summed), and each other's last published values.
+        self.peer_pending = [dict.fromkeys(self.names, 0) for _ in self.policies]
+        self.peer_prefill = [dict.fromkeys(self.names, 0) for _ in self.policies]
+        self._heard: list[dict[tuple[int, str], tuple[int, int]]] = [{} for _ in self.policies]
         self.learner = learner
         self.work = [LoadModel() for _ in self.policies]
         for pol, model in zip(self.policies, self.work, strict=True):
             if learner is not None:
                 model.capacities = learner.capacities
             model.fixed_capacity = getattr(pol, "worker_capacity", None)
-            model.others = self.others[self.policies.index(pol)]
+            k = self.policies.index(pol)
+            model.others = self.others[k]
+            if self.shared:  # as serve does with its StateStore
+                model.peer = self.peer[k]
+                model.peer_pending = self.peer_pending[k]
+                model.peer_prefill = self.peer_prefill[k]
+                model.on_pending = self._work_publisher(k)
             if getattr(pol, "work", None) is not None:
                 pol.work = model  # type: ignore[attr-defined]
             for w in self.names:
@@ -168,6 +182,14 @@ class RouterTier:
 
         return publish
 
+    def _work_publisher(self, k: int) -> Callable[[str, int, int], None]:
+        def publish(worker: str, _requests: int, _tokens: int) -> None:
+            st = self.work[k].state(worker)
+            at = self._now + self.store_delay_s
+            self._work_wire.append((at, k, worker, len(st.pending), st.prefill_tokens))
+
+        return publish
+
     def _sync(self, now: float) -> None:
         """Deliver the decisions visible by ``now``; take the heartbeats due."""
         wire = self._wire
@@ -177,6 +199,15 @@ class RouterTier:
                 if j != k:
                     ix.insert_digests(worker, digests)
                     self.peer[j][worker] += 1  # until the next heartbeat says better
+        work = self._work_wire
+        while work and work[0][0] <= now:
+            _, k, worker, n, tokens = work.popleft()
+            for j, heard in enumerate(self._heard):
+                if j != k:
+                    was_n, was_t = heard.get((k, worker), (0, 0))
+                    heard[k, worker] = (n, tokens)
+                    self.peer_pending[j][worker] += n - was_n
+                    self.peer_prefill[j][worker] += tokens - was_t
         if now >= self._next_beat and len(self.policies) > 1:
             total = {w: sum(loads[w] for loads in self.loads) for w in self.names}
             for loads, peer in zip(self.loads, self.peer, strict=True):
@@ -215,6 +246,7 @@ class RouterTier:
         """Request ``r``'s first token came out (its prefill work is done)."""
         opened = self._open.get(r)
         if opened is not None:
+            self._now = now
             opened[2].first_byte(now)
 
     def done(self, r: int, now: float = 0.0, output_tokens: int | None = None) -> None:
@@ -223,6 +255,7 @@ class RouterTier:
         if opened is None:
             return
         k, decision, ticket = opened
+        self._now = now
         ticket.end(now, output_tokens)
         self.loads[k][decision.worker] -= 1
         if decision.ticket is not None:

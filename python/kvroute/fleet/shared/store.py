@@ -45,6 +45,8 @@ from kvroute.fleet.registry import Registry
 from kvroute.fleet.shared.digests import DigestIndex
 from kvroute.fleet.shared.heartbeat import heartbeat
 from kvroute.fleet.shared.members import Membership
+from kvroute.fleet.shared.prefill import SharedPrefill
+from kvroute.routing.load import LoadModel
 
 log = logging.getLogger("kvroute.fleet.shared")
 
@@ -90,6 +92,7 @@ class StateStore:
         heartbeat_s: float = 0.5,
         stream_len: int = 2000,
         buffer_len: int = 10_000,
+        work: LoadModel | None = None,
     ) -> None:
         self.url = url
         self.registry = registry
@@ -115,6 +118,8 @@ class StateStore:
         self._client: aioredis.Redis | None = None
         if index is not None:
             index.on_insert = self.publish_insert
+        # The work model's queued prefill, shared both ways (``prefill``).
+        self.prefill = SharedPrefill(work, self._wake.set) if work is not None else None
 
     # ------------------------------------------------------------- request path
 
@@ -186,6 +191,8 @@ class StateStore:
                 self.connected = False
                 self.peer_load.clear()
                 self.routers.clear()
+                if self.prefill is not None:
+                    self.prefill.clear()
                 if self._client is not None:  # pooled sockets to a dead server: drop them
                     with contextlib.suppress(Exception):
                         await self._client.connection_pool.disconnect()
@@ -197,6 +204,8 @@ class StateStore:
         assert client is not None
         await client.ping()
         await self._catch_up(client)
+        if self.prefill is not None:
+            self.prefill.resend_all()
         self.connected = True
         self.counters.connects += 1
         log.info("state store %s connected (router id %s)", self.url.redacted, self.id)
@@ -225,22 +234,21 @@ class StateStore:
 
     async def _publish_loop(self, client: aioredis.Redis) -> None:
         while True:
-            if not self._buf and not self.members.pending:
+            prefill = self.prefill
+            if not self._buf and not self.members.pending and not (prefill and prefill.dirty):
                 self._wake.clear()
                 await self._wake.wait()
             await self.members.flush(client, self._rid, self.stream_len)
             n = min(len(self._buf), BATCH)
-            if not n:
+            queued = prefill.take() if prefill is not None and prefill.dirty else b""
+            if not n and not queued:
                 continue
             batch = [self._buf.popleft() for _ in range(n)]
             pipe = client.pipeline(transaction=False)
-            for i in range(0, n, wire.PER_ENTRY):
-                pipe.xadd(
-                    wire.STREAM,
-                    wire.insert_entry(self._rid, batch[i : i + wire.PER_ENTRY]),  # type: ignore[arg-type]
-                    maxlen=self.stream_len,
-                    approximate=True,
-                )
+            for i in range(0, max(n, 1), wire.PER_ENTRY):
+                entry = wire.insert_entry(self._rid, batch[i : i + wire.PER_ENTRY], queued)
+                queued = b""  # rides with the first entry
+                pipe.xadd(wire.STREAM, entry, maxlen=self.stream_len, approximate=True)  # type: ignore[arg-type]
             try:
                 await pipe.execute()
             except Exception:
@@ -269,6 +277,8 @@ class StateStore:
         self.peer_load.clear()
         self.peer_load.update(load)
         self.routers = routers
+        if self.prefill is not None:
+            self.prefill.keep({rid.encode() for rid in routers})
 
     # ------------------------------------------------------------- applying
 
@@ -276,6 +286,14 @@ class StateStore:
         if fields.get(b"r") == self._rid:
             return  # our own entry: applied when it was decided
         kind = fields.get(b"k")
+        queued = fields.get(b"p")
+        if queued and self.prefill is not None:
+            try:
+                self.prefill.apply(fields.get(b"r", b""), queued)
+            except ValueError:
+                self.counters.malformed += 1
+        if kind == wire.PREFILL:
+            return
         if kind == wire.INSERT:
             t = fields.get(b"t", b"")
             lag_ms = max(wire.now_ms() - int(t), 0) if t.isdigit() else self.ttl_ms

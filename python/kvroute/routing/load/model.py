@@ -91,7 +91,11 @@ class Ticket:
         self.started = now
         self.ahead = model.ahead(worker)
         # Nothing ahead of it and a free slot: its first byte times its own prefill.
-        self.alone = not state.pending and model.slot_wait(worker) == 0.0
+        self.alone = (
+            not state.pending
+            and not (model.peer_pending or {}).get(worker, 0)
+            and model.slot_wait(worker) == 0.0
+        )
         e = state.engine
         if e is not None and e.waiting > e.own_pending:
             self.alone = False
@@ -116,6 +120,7 @@ class Ticket:
         st = self.state
         if st.pending.pop(self.id, None) is not None:
             st.prefill_tokens -= self.uncached
+            self._model.pending_changed(self.worker, -1, -self.uncached)
         elapsed = now - self.started
         if learn:
             if self.alone:
@@ -134,6 +139,7 @@ class Ticket:
         st = self.state
         if st.pending.pop(self.id, None) is not None:
             st.prefill_tokens -= self.uncached
+            self._model.pending_changed(self.worker, -1, -self.uncached)
         st.requests -= 1
         st.decode_tokens -= self.expected_out
         if self.sample is not None:
@@ -160,14 +166,22 @@ class LoadModel:
         self.fixed_capacity: int | None = None
         self.capacities: Mapping[str, int] = {}
         self.others: Mapping[str, int] = {}
-        # Other router replicas' requests in flight per worker (``--state-store``). Their
-        # split between prefill and decode is not shared, so each counts as a queued
-        # prefill of our mean uncached size (an upper bound) and as a taken slot.
+        # Other router replicas' requests in flight per worker (``--state-store``): each
+        # takes a slot; unless their queued prefill is shared (``peer_pending``), each
+        # also counts as a queued prefill of our mean uncached size (an upper bound).
         self.peer: Mapping[str, int] = {}
+        # When the store shares them: other routers' requests still waiting for their
+        # first byte per worker, and their uncached prompt tokens (replaces the guess above).
+        # None: not shared, the guess above stands.
+        self.peer_pending: Mapping[str, int] | None = None
+        self.peer_prefill: Mapping[str, int] = {}
         self.mean_output = PRIOR_OUTPUT_TOKENS
         self.mean_uncached = 0.0
         # Called with (worker, predicted TTFT, observed TTFT) at each learned first byte.
         self.on_observe: Callable[[str, float, float], None] | None = None
+        # Called with (worker, +1 / -1 request, +/- tokens) when a request's prefill is
+        # reserved or released (first byte, or its end), to share it (``--state-store``).
+        self.on_pending: Callable[[str, int, int], None] | None = None
         self._ids = 0
 
     # ----------------------------------------------------------------- bookkeeping
@@ -210,10 +224,15 @@ class LoadModel:
         t.uncached = expect
         st.pending[t.id] = expect
         st.prefill_tokens += expect
+        self.pending_changed(worker, 1, expect)
         st.requests += 1
         st.decode_tokens += expected_out
         self.mean_uncached += OUTPUT_EWMA * (uncached - self.mean_uncached)
         return t
+
+    def pending_changed(self, worker: str, requests: int, tokens: int) -> None:
+        if self.on_pending is not None:
+            self.on_pending(worker, requests, tokens)
 
     def observe_engine(
         self, worker: str, running: int, waiting: int, kv_usage: float | None = None
@@ -248,7 +267,10 @@ class LoadModel:
             work += others * self.mean_uncached
             count += others
         peers = self.peer.get(worker, 0)
-        if peers:
+        if self.peer_pending is not None:  # shared: their queued prefill exactly
+            work += self.peer_prefill.get(worker, 0)
+            count += self.peer_pending.get(worker, 0)
+        elif peers:
             # Their size is not shared: the larger of our running mean and this one.
             work += peers * max(self.mean_uncached, size_hint)
             count += peers
