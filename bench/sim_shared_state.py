@@ -5,7 +5,12 @@ same requests: ``approximate`` (each replica's own index and load, what ``kvrout
 does without ``--state-store``), ``approximate + store`` (``--state-store``: decisions
 reach the other replicas ``--store-delay-ms`` later, loads shared every heartbeat), and
 ``precise`` (``--kv-events``: every replica reads every engine's events). Prints one
-markdown table per workload: hit rate and TTFT p50/p90/p99.
+markdown table per workload: hit rate, TTFT p50/p90/p99, and with the store the CPU
+this process spent applying the other replicas' decisions to each replica's index
+(``DigestIndex.insert_digests``, the production code), per routed request and summed over
+the replicas. Publishing's own cost (queueing, ``XADD``) is Redis client work the
+simulator does not run: ``bench/shared_state_overhead.py`` and ``bench/http_shared_state.py``
+measure it.
 
 Usage:
     python bench/sim_shared_state.py --workloads mooncake,llmd --store-delay-ms 2
@@ -19,6 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 from kvroute.config import parse_worker_capacity
+from kvroute.fleet.shared import DigestIndex
 from kvroute.sim.cost import CostModel
 from kvroute.sim.fleet import FleetConfig, prepare, simulate, upper_bound
 from kvroute.sim.workloads import llmd, mooncake
@@ -44,6 +50,21 @@ def workload(name: str, args: argparse.Namespace) -> tuple[Any, FleetConfig]:
     raise SystemExit(f"unknown workload {name!r}")
 
 
+APPLY_NS = [0]
+
+
+def _timed_apply() -> None:
+    """Count the CPU time of every peer decision applied (``APPLY_NS``)."""
+    apply = DigestIndex.insert_digests
+
+    def timed(self: DigestIndex, worker: str, digests: bytes) -> None:
+        t0 = time.process_time_ns()
+        apply(self, worker, digests)
+        APPLY_NS[0] += time.process_time_ns() - t0
+
+    DigestIndex.insert_digests = timed  # type: ignore[method-assign]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -58,14 +79,18 @@ def main() -> int:
     ap.add_argument("--worker-capacity", default="auto")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    _timed_apply()
     for name in args.workloads.split(","):
         prep, cfg = workload(name, args)
         print(
             f"\n### {name}: {cfg.workers} workers, {len(prep.requests)} requests, "
             f"upper bound {upper_bound(prep):.3f}, store delay {args.store_delay_ms:g} ms\n"
         )
-        print("| replicas | mode | hit rate | TTFT p50 (s) | TTFT p90 (s) | TTFT p99 (s) |")
-        print("|---|---|---|---|---|---|")
+        print(
+            "| replicas | mode | hit rate | TTFT p50 (s) | TTFT p90 (s) | TTFT p99 (s) "
+            "| apply CPU (µs/request) |"
+        )
+        print("|---|---|---|---|---|---|---|")
         for n in (int(x) for x in args.replicas.split(",")):
             for mode in args.modes.split(","):
                 c = replace(cfg, router_replicas=n)
@@ -78,15 +103,16 @@ def main() -> int:
                     )
                 elif mode == "precise":
                     policy = "cache_aware+events"
-                t0 = time.perf_counter()
+                APPLY_NS[0] = 0
                 row = simulate(prep, policy, c)
-                wall = time.perf_counter() - t0
+                cpu = "-"
+                if mode == "approximate + store":
+                    cpu = f"{APPLY_NS[0] / 1000 / len(prep.requests):.1f}"
                 print(
                     f"| {n} | {mode} | {row.hit_rate:.3f} | {row.ttft_p50:.3f} | "
-                    f"{row.ttft_p90:.3f} | {row.ttft_p99:.3f} |",
+                    f"{row.ttft_p90:.3f} | {row.ttft_p99:.3f} | {cpu} |",
                     flush=True,
                 )
-                del wall
     return 0
 
 
