@@ -206,6 +206,14 @@ def test_worker_added_on_one_router_is_used_by_the_others(
     assert wait_until(lambda: all(live(r) == 3 for r in (r1, r2, r3)))
     status = httpx.get(r2.url + "/status", timeout=5).text
     assert "Routers sharing state (3 live)" in status and r3.url in status
+    # /workers stays a list of workers; it says how many routers are live, and lists
+    # them beside the workers when asked.
+    plain = httpx.get(r2.url + "/workers", timeout=5)
+    assert isinstance(plain.json(), list) and plain.headers["x-kvroute-routers"] == "3"
+    both = httpx.get(r2.url + "/workers", params={"include": "routers"}, timeout=5).json()
+    assert {w["url"] for w in both["workers"]} == {b.url}
+    assert {r["url"] for r in both["routers"]} == {r.url for r in (r1, r2, r3)}
+    assert [r["self"] for r in both["routers"]].count(True) == 1
 
 
 def test_redis_killed_mid_run(
