@@ -27,6 +27,7 @@ class EngineReading:
     kv_usage: float | None = None
     own: int = 0  # our requests in flight at the reading
     own_pending: int = 0  # ours without a first byte yet
+    peer_pending: int = 0  # other routers' without a first byte, when shared (--state-store)
 
 
 @dataclass(slots=True, eq=False)
@@ -97,7 +98,7 @@ class Ticket:
             and model.slot_wait(worker) == 0.0
         )
         e = state.engine
-        if e is not None and e.waiting > e.own_pending:
+        if e is not None and e.waiting > e.own_pending + e.peer_pending:
             self.alone = False
         self.predicted = model.ttft(worker, uncached, matched)
         self.predicted_cached = matched
@@ -239,7 +240,10 @@ class LoadModel:
     ) -> None:
         """An engine's own reading (after a health check in ``serve``, a poll in the sim)."""
         st = self.state(worker)
-        st.engine = EngineReading(running, waiting, kv_usage, st.requests, len(st.pending))
+        peers = (self.peer_pending or {}).get(worker, 0)
+        st.engine = EngineReading(
+            running, waiting, kv_usage, st.requests, len(st.pending), peer_pending=peers
+        )
 
     # ----------------------------------------------------------------- prediction
 
@@ -262,8 +266,9 @@ class LoadModel:
             work -= next(iter(st.pending.values())) / 2
             count -= 0.5
         e = st.engine
-        if e is not None and e.waiting > e.own_pending:
-            others = e.waiting - e.own_pending
+        if e is not None and e.waiting > e.own_pending + e.peer_pending:
+            # Waiting requests nobody shared (bypass traffic, routers without a store).
+            others = e.waiting - e.own_pending - e.peer_pending
             work += others * self.mean_uncached
             count += others
         peers = self.peer.get(worker, 0)
