@@ -7,6 +7,8 @@ bounded poll for a condition, never a sleep standing in for one.
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -272,19 +274,58 @@ def test_redis_killed_mid_run(
         assert wait_until(lambda: metric(rs[0], "kvroute_state_store_buffered") == 0)
         r0 = next(r["id"] for r in httpx.get(rs[0].url + "/routers").json() if r["self"])
         with back.client() as c:
-            mine = [f for _, f in c.xrange("kvroute:stream") if f[b"r"] == r0.encode()]
+            mine = [
+                f
+                for _, f in c.xrange("kvroute:stream")
+                if f[b"r"] == r0.encode() and f[b"k"] == b"i"
+            ]
         last = list(unpack_inserts(mine[-1][b"b"]))[-1]
         assert last[0] == home.encode()  # router 0's decisions, resent after the outage
         # Router 1 reads the new stream from its start: once it has applied all of them,
         # it routes the new group where router 0 did.
-        want = applied_before + sum(
-            len(list(unpack_inserts(f[b"b"]))) for f in mine if f[b"k"] == b"i"
-        )
+        want = applied_before + sum(len(list(unpack_inserts(f[b"b"]))) for f in mine)
         assert wait_until(lambda: applied(rs[1]) >= want, 60), (applied(rs[1]), want)
         second = ask(rs[1], group_prompt(42, 1))
         assert second.headers["x-kvroute-worker"] == home
     finally:
         back.stop()
+
+
+def test_redis_paused_delays_no_request(
+    tmp_path: Path, processes: list[Server], redis_server: RedisServer, routers: Routers
+) -> None:
+    """A Redis that stops answering (SIGSTOP: connections stay open, nothing comes
+    back) must not hold a request: each is answered well within the store client's 2 s
+    socket timeout, which is what a request waiting on Redis would take at least."""
+    ws = workers(tmp_path, processes, 2)
+    rs = routers(2, [w.url for w in ws], redis_server.url)
+    assert wait_until(lambda: all(live(r) == 2 for r in rs))
+    for i in range(4):
+        assert ask(rs[i % 2], group_prompt(i, 0)).status_code == 200
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        # First while the routers still believe they are connected (their commands
+        # hang), then once they noticed.
+        for i in range(40):
+            assert ask(rs[i % 2], group_prompt(i % 5, i), timeout=1.5).status_code == 200
+        assert wait_until(
+            lambda: all(metric(r, "kvroute_state_store_connected") == 0 for r in rs), 30
+        )
+        for i in range(10):
+            assert ask(rs[i % 2], group_prompt(i % 5, i), timeout=1.5).status_code == 200
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    assert wait_until(lambda: all(metric(r, "kvroute_state_store_connected") == 1 for r in rs), 60)
+    assert wait_until(lambda: all(live(r) == 2 for r in rs))
+    # Converged again: a new group routed by one router is found by the other.
+    home = ask(rs[0], group_prompt(77, 0)).headers["x-kvroute-worker"]
+    assert wait_until(lambda: metric(rs[0], "kvroute_state_store_buffered") == 0)
+    r0 = next(r["id"] for r in httpx.get(rs[0].url + "/routers").json() if r["self"])
+    with redis_server.client() as c:
+        entries = [f for _, f in c.xrange("kvroute:stream") if f[b"r"] == r0.encode()]
+    published = sum(len(list(unpack_inserts(f[b"b"]))) for f in entries if f[b"k"] == b"i")
+    assert wait_until(lambda: applied(rs[1]) >= published), (applied(rs[1]), published)
+    assert ask(rs[1], group_prompt(77, 1)).headers["x-kvroute-worker"] == home
 
 
 def test_password_never_appears(tmp_path: Path, processes: list[Server], routers: Routers) -> None:
