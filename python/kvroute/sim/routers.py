@@ -28,7 +28,10 @@ What an approximate router cannot see, modelled so precise mode can be judged on
   decisions reach the other replicas' indexes ``store_delay_s`` later (the Redis round
   trip and the reader's wake-up); each replica's loads add the others' in-flight counts
   as of their last heartbeat (every ``heartbeat_s``) plus one per decision of theirs
-  delivered since, as ``StateStore.peer_load`` does.
+  delivered since, as ``StateStore.peer_load`` does; and each replica's queued prefill
+  (requests waiting for a first byte per worker, their uncached tokens) reaches the
+  others' work models ``store_delay_s`` after it changes, as ``fleet.shared.prefill``
+  publishes it.
 
 Work (``kvroute.routing.load``): each replica keeps its own ``LoadModel``, shared with
 its policy (``min_ttft``, ``cache_aware`` on the work metric), and reserves each routed

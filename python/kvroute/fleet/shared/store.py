@@ -31,7 +31,6 @@ import logging
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -40,8 +39,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 import kvroute.fleet.shared.wire as wire
-from kvroute.config import ConfigError, normalize_worker_url
 from kvroute.fleet.registry import Registry
+from kvroute.fleet.shared.applying import Applier, StoreCounters
 from kvroute.fleet.shared.digests import DigestIndex
 from kvroute.fleet.shared.heartbeat import heartbeat
 from kvroute.fleet.shared.members import Membership
@@ -56,21 +55,7 @@ READ_BLOCK_MS = 500
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.1, 5.0
 
 
-@dataclass
-class StoreCounters:
-    published: int = 0
-    applied: dict[str, int] = field(
-        default_factory=lambda: {"insert": 0, "added": 0, "removed": 0, "cleared": 0}
-    )
-    dropped: int = 0
-    malformed: int = 0
-    errors: int = 0
-    gaps: int = 0
-    connects: int = 0
-    lag_s: float = 0.0  # publish -> apply, of the last peer entry applied
-
-
-class StateStore:
+class StateStore(Applier):
     """This router's view of the shared state; ``peer_load`` is its main output.
 
     ``peer_load``: per worker, the requests other live routers have in flight on it
@@ -279,60 +264,6 @@ class StateStore:
         self.routers = routers
         if self.prefill is not None:
             self.prefill.keep({rid.encode() for rid in routers})
-
-    # ------------------------------------------------------------- applying
-
-    def _apply(self, fields: dict[bytes, bytes]) -> None:
-        if fields.get(b"r") == self._rid:
-            return  # our own entry: applied when it was decided
-        kind = fields.get(b"k")
-        queued = fields.get(b"p")
-        if queued and self.prefill is not None:
-            try:
-                self.prefill.apply(fields.get(b"r", b""), queued)
-            except ValueError:
-                self.counters.malformed += 1
-        if kind == wire.PREFILL:
-            return
-        if kind == wire.INSERT:
-            t = fields.get(b"t", b"")
-            lag_ms = max(wire.now_ms() - int(t), 0) if t.isdigit() else self.ttl_ms
-            self.counters.lag_s = lag_ms / 1000
-            try:
-                for url, digests in wire.unpack_inserts(fields.get(b"b", b"")):
-                    self._apply_insert(url, digests, recent=lag_ms < self.ttl_ms)
-            except ValueError:
-                self.counters.malformed += 1
-            return
-        if kind == wire.CLEARED:
-            if self.index is not None:
-                self.index.clear()
-            self.counters.applied["cleared"] += 1
-            return
-        worker = self._worker(fields.get(b"w", b""))
-        if worker is not None and kind in (wire.ADDED, wire.REMOVED):
-            self.members.apply(kind, worker)
-        else:
-            self.counters.malformed += 1
-
-    def _worker(self, raw: bytes) -> str | None:
-        """A worker URL from the stream, validated (None if it is not one)."""
-        try:
-            return normalize_worker_url(raw.decode())
-        except (UnicodeDecodeError, ConfigError):
-            return None
-
-    def _apply_insert(self, raw: bytes, digests: bytes, *, recent: bool) -> None:
-        worker = raw.decode(errors="replace")
-        if worker not in self.registry.workers:
-            return  # not (or no longer) in this router's fleet: nothing to predict
-        if self.index is not None:
-            self.index.insert_digests(worker, digests)
-        self.counters.applied["insert"] += 1
-        if recent:
-            # A request the peer just sent there: count it until its next heartbeat
-            # reports the peer's exact load (which replaces this estimate).
-            self.peer_load[worker] = self.peer_load.get(worker, 0) + 1
 
 
 def _describe(e: BaseException) -> str:
