@@ -128,8 +128,8 @@ def test_decisions_pack_into_one_entry_and_bad_blobs_are_refused() -> None:
             list(wire.unpack_inserts(bad))
 
 
-def test_queued_prefill_reaches_the_other_routers_work_model() -> None:
-    from kvroute.fleet.shared.prefill import SharedPrefill
+def test_load_reaches_the_other_routers_as_it_changes() -> None:
+    from kvroute.fleet.shared.prefill import SharedPrefill, pack
     from kvroute.routing.load import LoadModel
 
     mine, theirs = LoadModel(), LoadModel()
@@ -145,20 +145,45 @@ def test_queued_prefill_reaches_the_other_routers_work_model() -> None:
     assert woken and pub.dirty
     sub.apply(b"r1", pub.take())
     assert not pub.dirty
-    assert (sub.pending, sub.tokens) == ({"http://a": 2}, {"http://a": 8000})
-    # The other router predicts the queue ahead on a from the shared tokens.
+    assert (sub.flight, sub.pending, sub.tokens) == (
+        {"http://a": 2},
+        {"http://a": 2},
+        {"http://a": 8000},
+    )
+    # The other router counts them as taken slots, and predicts the queue ahead on a
+    # from the shared tokens.
+    assert theirs.peer == {"http://a": 2}
     assert theirs.ahead("http://a") > before + 7000 / 15_000
     assert theirs.ahead("http://b") == 0.0
-    t1.first_byte(0.1)
+    t1.first_byte(0.1)  # decoding: still in flight, no longer queued for prefill
+    sub.apply(b"r1", pub.take())
+    assert (sub.flight, sub.pending, sub.tokens) == (
+        {"http://a": 2},
+        {"http://a": 1},
+        {"http://a": 3000},
+    )
+    t1.end(0.2)
     t2.end(0.2)
-    sub.apply(b"r1", pub.take())  # absolute values: back to nothing queued
-    assert (sub.pending, sub.tokens) == ({}, {})
-    # A router whose heartbeat expired stops counting.
+    sub.apply(b"r1", pub.take())  # absolute values: back to nothing
+    assert (sub.flight, sub.pending, sub.tokens) == ({}, {}, {})
+    # Known only from its heartbeat until it publishes; an expired router stops counting.
     mine.reserve("http://b", 100, 10, 0.3)
     sub.apply(b"r1", pub.take())
-    sub.apply(b"r2", b"\x08\x00\x03\x00\x00\x00\x10\x00\x00\x00http://b")
-    assert (sub.pending, sub.tokens) == ({"http://b": 4}, {"http://b": 116})
+    sub.beat(b"r2", {"http://b": 5})
+    sub.beat(b"r1", {"http://b": 9})  # r1 published: its records win over its beat
+    assert sub.flight == {"http://b": 6}
+    sub.apply(b"r2", pack([("http://b", 3, 3, 16)]))
+    sub.beat(b"r2", {"http://b": 5})  # r2 published too: its beat no longer counts
+    assert (sub.flight, sub.pending, sub.tokens) == (
+        {"http://b": 4},
+        {"http://b": 4},
+        {"http://b": 116},
+    )
     sub.keep({b"r2"})
-    assert (sub.pending, sub.tokens) == ({"http://b": 3}, {"http://b": 16})
+    assert (sub.flight, sub.pending, sub.tokens) == (
+        {"http://b": 3},
+        {"http://b": 3},
+        {"http://b": 16},
+    )
     with pytest.raises(ValueError):
         sub.apply(b"r3", b"\x08\x00\x03\x00")

@@ -2,9 +2,10 @@
 reading half, kept apart from the connection handling in ``store``).
 
 Each entry read off the stream (``wire``) is applied in order: decisions go into the
-digest-keyed index and count, until the publisher's next heartbeat, as one more request
-on their worker; the queued prefill they carry replaces what was known of the publisher's
-(``prefill``); membership changes and cache flushes go to ``members`` and the index.
+digest-keyed index (and, for a router without a load model, count as one more request
+on their worker until the publisher's next heartbeat); the load an entry carries
+replaces what was known of the publisher's (``prefill``); membership changes and cache
+flushes go to ``members`` and the index.
 Entries this router wrote itself were applied when it made them and are skipped.
 """
 
@@ -96,7 +97,8 @@ class Applier:
         if self.index is not None:
             self.index.insert_digests(worker, digests)
         self.counters.applied["insert"] += 1
-        if recent:
+        if recent and self.prefill is None:
             # A request the peer just sent there: count it until its next heartbeat
-            # reports the peer's exact load (which replaces this estimate).
+            # reports the peer's exact load (which replaces this estimate). With the
+            # load shared as it changes, the reservation rides with the decision.
             self.peer_load[worker] = self.peer_load.get(worker, 0) + 1

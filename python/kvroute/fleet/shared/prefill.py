@@ -1,25 +1,31 @@
-"""The routers' queued prefill, shared through the store (``--state-store``).
+"""The routers' load per worker, shared through the store as it changes (``--state-store``).
 
 Why: the work model (``kvroute.routing.load``) predicts a request's time to first token
-from the prefill queued on each worker. A router knows only the prefill *it* queued; the
-others' in-flight counts (heartbeats) do not say which of their requests still wait for
-a first byte nor how long their prompts are, and with long answers most of them are
-decoding. Counting each as a queued prefill of average size makes a busy worker look
-far worse than it is; ignoring them makes it look idle. Measured with three replicas on
-the llm-d shape (``bench/sim_shared_state.py``), either way loses TTFT against one router.
+from the prefill queued on each worker, and the balance rule and the saturation guard
+count requests in flight. A router knows its own exactly. Heartbeats give the others'
+in-flight counts every 0.5 s, late: a request that ended since still counts (the guard
+then moves requests off their cache for nothing), and they do not say which requests
+still wait for a first byte nor how long their prompts are (with long answers most are
+decoding; counting each as a queued prefill of average size makes a busy worker look
+far worse than it is, ignoring them makes it look idle). Measured with three replicas on
+the llm-d shape (``bench/sim_shared_state.py``), both cost TTFT and hit rate against one
+router.
 
-What is shared: for each worker, how many of this router's requests wait for their first
-byte there and their predicted uncached tokens, as absolute values. The load model calls
-``changed`` whenever one of its reservations opens or closes (``LoadModel.on_pending``);
-the worker is marked dirty and the store's publish task sends the current values of the
-dirty workers with its next stream entry (``pack``), so a burst of changes costs one
-record per worker. Absolute values rather than deltas: a lost or repeated entry cannot
-make the sums drift, and after a reconnect the publisher simply resends everything.
+What is shared: for each worker, this router's requests in flight there, how many of
+them wait for their first byte, and their predicted uncached tokens, as absolute
+values. The load model calls ``changed`` whenever one of its requests is reserved, has
+its first byte or ends (``LoadModel.on_change``); the worker is marked dirty and the
+store's publish task sends the current values of the dirty workers with its next stream
+entry (``pack``), so a burst of changes costs one record per worker, and a decision and
+its reservation usually ride in one entry. Absolute values rather than deltas: a lost or
+repeated entry cannot make the sums drift, and after a reconnect the publisher resends
+everything (``resend_all``).
 
 Every router keeps the others' last values per (router, worker) and their sums
-(``pending``, ``tokens``), which the load model reads (``peer_pending``,
-``peer_prefill``). A router whose heartbeat expired is dropped (``keep``); with Redis
-gone, everything is forgotten (``clear``) and each router predicts on its own queue.
+(``flight``: the store's ``peer_load``; ``pending``, ``tokens``: the load model's
+``peer_pending``, ``peer_prefill``). A router whose heartbeat expired is dropped
+(``keep``); with Redis gone, everything is forgotten (``clear``) and each router
+balances and predicts on its own.
 """
 
 from __future__ import annotations
@@ -29,50 +35,60 @@ from collections.abc import Callable, Collection, Iterator
 
 from kvroute.routing.load import LoadModel
 
-_REC = struct.Struct("<HII")  # worker URL length, requests waiting, uncached tokens
+_REC = struct.Struct("<HIII")  # URL length, in flight, waiting for a first byte, tokens
+_MAX = 0xFFFFFFFF
 
 
-def pack(values: list[tuple[str, int, int]]) -> bytes:
+def pack(values: list[tuple[str, int, int, int]]) -> bytes:
     parts: list[bytes] = []
-    for url, n, tokens in values:
+    for url, flight, n, tokens in values:
         raw = url.encode()
-        parts += (_REC.pack(len(raw), max(0, n), max(0, min(tokens, 0xFFFFFFFF))), raw)
+        clamp = (min(max(0, v), _MAX) for v in (flight, n, tokens))
+        parts += (_REC.pack(len(raw), *clamp), raw)
     return b"".join(parts)
 
 
-def unpack(blob: bytes) -> Iterator[tuple[str, int, int]]:
+def unpack(blob: bytes) -> Iterator[tuple[str, int, int, int]]:
     """The records of ``pack``; raises ValueError on a truncated blob."""
     view = memoryview(blob)
     at, end = 0, len(blob)
     while at < end:
         if at + _REC.size > end:
-            raise ValueError("truncated prefill record")
-        n_url, n, tokens = _REC.unpack_from(view, at)
+            raise ValueError("truncated load record")
+        n_url, flight, n, tokens = _REC.unpack_from(view, at)
         at += _REC.size
         if at + n_url > end:
-            raise ValueError("truncated prefill record")
-        yield bytes(view[at : at + n_url]).decode(errors="replace"), n, tokens
+            raise ValueError("truncated load record")
+        yield bytes(view[at : at + n_url]).decode(errors="replace"), flight, n, tokens
         at += n_url
 
 
 class SharedPrefill:
-    """This router's queued prefill to publish, and the other routers' to predict on."""
+    """This router's load to publish, and the other routers' to balance and predict on.
 
-    def __init__(self, model: LoadModel, wake: Callable[[], None]) -> None:
+    ``flight`` may be given (the store's ``peer_load``, which other holders reference);
+    it is updated in place."""
+
+    def __init__(
+        self, model: LoadModel, wake: Callable[[], None], flight: dict[str, int] | None = None
+    ) -> None:
         self.model = model
+        self.flight: dict[str, int] = {} if flight is None else flight
         self.pending: dict[str, int] = {}  # worker -> the others' requests waiting, summed
         self.tokens: dict[str, int] = {}  # worker -> their uncached tokens, summed
-        self._heard: dict[bytes, dict[str, tuple[int, int]]] = {}
+        self._heard: dict[bytes, dict[str, tuple[int, int, int]]] = {}
+        self._from_beat: set[bytes] = set()  # routers known only from their heartbeat
         self._dirty: set[str] = set()
         self._wake = wake
+        model.peer = self.flight
         model.peer_pending = self.pending
         model.peer_prefill = self.tokens
-        model.on_pending = self.changed
+        model.on_change = self.changed
 
     # ----------------------------------------------------------- publishing
 
-    def changed(self, worker: str, _requests: int = 0, _tokens: int = 0) -> None:
-        """A reservation on ``worker`` opened or closed (request path: O(1))."""
+    def changed(self, worker: str) -> None:
+        """A request on ``worker`` was reserved, had its first byte or ended (O(1))."""
         if not self._dirty:
             self._wake()
         self._dirty.add(worker)
@@ -90,7 +106,10 @@ class SharedPrefill:
         values = []
         for url in self._dirty:
             st = self.model.workers.get(url)
-            values.append((url, len(st.pending), st.prefill_tokens) if st else (url, 0, 0))
+            if st is None:
+                values.append((url, 0, 0, 0))
+            else:
+                values.append((url, st.requests, len(st.pending), st.prefill_tokens))
         self._dirty.clear()
         return pack(values)
 
@@ -98,25 +117,46 @@ class SharedPrefill:
 
     def apply(self, router: bytes, blob: bytes) -> None:
         """Another router's values (raises ValueError on a malformed blob)."""
+        self._from_beat.discard(router)
+        self._set(router, [(url, (f, n, t)) for url, f, n, t in unpack(blob)])
+
+    def beat(self, router: bytes, flight: dict[str, int]) -> None:
+        """A live router's heartbeat (its in flight per worker): counted only until it
+        publishes its load (a router whose last records left the stream before this
+        one started, or one without a load model)."""
+        if router in self._heard and router not in self._from_beat:
+            return
+        self._from_beat.add(router)
+        known = self._heard.get(router, {})
+        values = {url: (0, 0, 0) for url in known}
+        values.update((url, (n, 0, 0)) for url, n in flight.items())
+        self._set(router, list(values.items()))
+
+    def _set(self, router: bytes, values: list[tuple[str, tuple[int, int, int]]]) -> None:
         heard = self._heard.setdefault(router, {})
-        for url, n, tokens in unpack(blob):
-            was_n, was_t = heard.get(url, (0, 0))
-            heard[url] = (n, tokens)
-            self._add(url, n - was_n, tokens - was_t)
+        for url, now in values:
+            was = heard.get(url, (0, 0, 0))
+            heard[url] = now
+            self._add(url, now[0] - was[0], now[1] - was[1], now[2] - was[2])
 
     def keep(self, live: Collection[bytes]) -> None:
         """Forget the routers not in ``live`` (their heartbeat expired)."""
         for router in [r for r in self._heard if r not in live]:
-            for url, (n, tokens) in self._heard.pop(router).items():
-                self._add(url, -n, -tokens)
+            self._from_beat.discard(router)
+            for url, (flight, n, tokens) in self._heard.pop(router).items():
+                self._add(url, -flight, -n, -tokens)
 
     def clear(self) -> None:
         self._heard.clear()
+        self._from_beat.clear()
+        self.flight.clear()
         self.pending.clear()
         self.tokens.clear()
 
-    def _add(self, url: str, n: int, tokens: int) -> None:
-        self.pending[url] = self.pending.get(url, 0) + n
-        self.tokens[url] = self.tokens.get(url, 0) + tokens
-        if not self.pending[url] and not self.tokens[url]:
-            del self.pending[url], self.tokens[url]
+    def _add(self, url: str, flight: int, n: int, tokens: int) -> None:
+        for sums, v in ((self.flight, flight), (self.pending, n), (self.tokens, tokens)):
+            total = sums.get(url, 0) + v
+            if total:
+                sums[url] = total
+            else:
+                sums.pop(url, None)

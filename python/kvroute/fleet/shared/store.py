@@ -103,8 +103,10 @@ class StateStore(Applier):
         self._client: aioredis.Redis | None = None
         if index is not None:
             index.on_insert = self.publish_insert
-        # The work model's queued prefill, shared both ways (``prefill``).
-        self.prefill = SharedPrefill(work, self._wake.set) if work is not None else None
+        # The work model's load and queued prefill, shared both ways (``prefill``).
+        self.prefill = None
+        if work is not None:
+            self.prefill = SharedPrefill(work, self._wake.set, self.peer_load)
 
     # ------------------------------------------------------------- request path
 
@@ -259,11 +261,16 @@ class StateStore(Applier):
     async def _beat(self, client: aioredis.Redis) -> None:
         mine = {url: w.in_flight for url, w in self.registry.workers.items() if w.in_flight > 0}
         routers, load = await heartbeat(client, self.id, self.info, mine, self.ttl_ms)
-        self.peer_load.clear()
-        self.peer_load.update(load)
         self.routers = routers
-        if self.prefill is not None:
+        if self.prefill is not None:  # load as published when it changed (``prefill``)
             self.prefill.keep({rid.encode() for rid in routers})
+            for rid, theirs in load.items():
+                self.prefill.beat(rid.encode(), theirs)
+            return
+        self.peer_load.clear()
+        for theirs in load.values():
+            for url, n in theirs.items():
+                self.peer_load[url] = self.peer_load.get(url, 0) + n
 
 
 def _describe(e: BaseException) -> str:

@@ -24,8 +24,8 @@ What is counted, per worker
       requests in flight (``peer``: slots), and their queued prefill, shared as it
       changes (``peer_pending`` requests waiting for a first byte, ``peer_prefill``
       their uncached tokens): added to the queue ahead exactly as ours, and not counted
-      again among an engine's waiting requests. ``on_pending`` tells the store each time
-      one of our reservations opens or closes.
+      again among an engine's waiting requests. ``on_change`` tells the store each time
+      one of our requests is reserved, has its first byte or ends.
 
 Learned speed, per worker (so a heterogeneous fleet is told apart)
     * prefill: time to first byte = ``overhead + uncached tokens / rate``, a line fitted

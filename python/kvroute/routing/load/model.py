@@ -121,7 +121,7 @@ class Ticket:
         st = self.state
         if st.pending.pop(self.id, None) is not None:
             st.prefill_tokens -= self.uncached
-            self._model.pending_changed(self.worker, -1, -self.uncached)
+            self._model.changed(self.worker)
         elapsed = now - self.started
         if learn:
             if self.alone:
@@ -140,9 +140,9 @@ class Ticket:
         st = self.state
         if st.pending.pop(self.id, None) is not None:
             st.prefill_tokens -= self.uncached
-            self._model.pending_changed(self.worker, -1, -self.uncached)
         st.requests -= 1
         st.decode_tokens -= self.expected_out
+        self._model.changed(self.worker)
         if self.sample is not None:
             # Learned at the end, when the engine may have said what it really had
             # cached: a cache the index wrongly predicted must not pass for a slow worker.
@@ -180,9 +180,10 @@ class LoadModel:
         self.mean_uncached = 0.0
         # Called with (worker, predicted TTFT, observed TTFT) at each learned first byte.
         self.on_observe: Callable[[str, float, float], None] | None = None
-        # Called with (worker, +1 / -1 request, +/- tokens) when a request's prefill is
-        # reserved or released (first byte, or its end), to share it (``--state-store``).
-        self.on_pending: Callable[[str, int, int], None] | None = None
+        # Called with the worker whenever a request is reserved there, has its first
+        # byte or ends: its requests and queued prefill changed (``--state-store``
+        # shares them).
+        self.on_change: Callable[[str], None] | None = None
         self._ids = 0
 
     # ----------------------------------------------------------------- bookkeeping
@@ -225,15 +226,15 @@ class LoadModel:
         t.uncached = expect
         st.pending[t.id] = expect
         st.prefill_tokens += expect
-        self.pending_changed(worker, 1, expect)
         st.requests += 1
         st.decode_tokens += expected_out
+        self.changed(worker)
         self.mean_uncached += OUTPUT_EWMA * (uncached - self.mean_uncached)
         return t
 
-    def pending_changed(self, worker: str, requests: int, tokens: int) -> None:
-        if self.on_pending is not None:
-            self.on_pending(worker, requests, tokens)
+    def changed(self, worker: str) -> None:
+        if self.on_change is not None:
+            self.on_change(worker)
 
     def observe_engine(
         self, worker: str, running: int, waiting: int, kv_usage: float | None = None
