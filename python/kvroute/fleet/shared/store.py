@@ -59,11 +59,13 @@ class StateStore(Applier):
     """This router's view of the shared state; ``peer_load`` is its main output.
 
     ``peer_load``: per worker, the requests other live routers have in flight on it
-    (summed; a router whose heartbeat expired counts for nothing), as of their last
-    heartbeats, plus one for each decision a peer published since (read off the stream
-    a few ms after it was made, so a burst is seen before the next heartbeat). The dict
-    is updated in place, so holders of a reference (``Registry.peer_load``, a load model)
-    always read the current value. ``routers``: the live routers (this one included), id -> info.
+    (summed; a router whose heartbeat expired counts for nothing). With ``work`` (the
+    router's load model) each router publishes its load as it changes and the others
+    read it off the stream a few ms later (``prefill``: in flight, and the queued
+    prefill the load model also reads); without, as of their last heartbeats plus one
+    for each decision a peer published since. The dict is updated in place, so holders
+    of a reference (``Registry.peer_load``, a load model) always read the current value.
+    ``routers``: the live routers (this one included), id -> info.
     """
 
     def __init__(
