@@ -19,14 +19,20 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import collections
 import time
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
+
 from kvroute.config import parse_worker_capacity
 from kvroute.fleet.shared import DigestIndex
+from kvroute.routing.policies.base import Decision, RouteRequest
+from kvroute.routing.policies.cache_aware import CacheAware
 from kvroute.sim.cost import CostModel
 from kvroute.sim.fleet import FleetConfig, prepare, simulate, upper_bound
+from kvroute.sim.routers import RouterTier
 from kvroute.sim.workloads import llmd, mooncake
 
 TRACE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
@@ -43,11 +49,17 @@ def workload(name: str, args: argparse.Namespace) -> tuple[Any, FleetConfig]:
     )
     if name == "mooncake":
         reqs = mooncake(args.trace, seed=args.seed, time_scale=args.time_scale)
-        return prepare(reqs, 16), replace(base, workers=8)
-    if name == "llmd":
+        cfg = replace(base, workers=8)
+    elif name == "llmd":
         reqs = llmd(output_len=1000, seed=args.seed, arrivals="poisson", rate=4.0)
-        return prepare(reqs, 16), replace(base, workers=4, capacity_tokens=308_000)
-    raise SystemExit(f"unknown workload {name!r}")
+        cfg = replace(base, workers=4, capacity_tokens=308_000)
+    else:
+        raise SystemExit(f"unknown workload {name!r}")
+    if args.jitter_ms:  # how sensitive the tail is to the arrivals' exact instants
+        rng = np.random.default_rng([args.jitter_seed, 0x717])
+        for r in reqs:
+            r.arrival_s = max(0.0, r.arrival_s + float(rng.uniform(-1, 1)) * args.jitter_ms / 1000)
+    return prepare(reqs, 16), cfg
 
 
 APPLY_NS = [0]
@@ -65,6 +77,39 @@ def _timed_apply() -> None:
     DigestIndex.insert_digests = timed  # type: ignore[method-assign]
 
 
+DIAG: collections.Counter[str] = collections.Counter()
+
+
+def _diagnose() -> None:
+    """Count, per row, the decisions by reason and those a replica made while another
+    replica's load change was still on its way to it (``DIAG``)."""
+    select = CacheAware.select
+
+    def tallied(self: CacheAware, request: RouteRequest, loads: Any) -> Decision:
+        d = select(self, request, loads)
+        DIAG[d.reason] += 1
+        return d
+
+    route = RouterTier.route
+
+    def watched(
+        self: RouterTier, r: int, request: RouteRequest, now: float = 0.0, out: int = 1
+    ) -> str:
+        unseen: set[str] = set()
+        if self.shared:
+            self._sync(now)
+            k = self._next
+            unseen = {w for _, j, w, _ in self._work_wire if j != k}
+        worker = route(self, r, request, now, out)
+        if unseen:
+            DIAG["load change unseen"] += 1
+            DIAG["... onto that worker"] += worker in unseen
+        return worker
+
+    CacheAware.select = tallied  # type: ignore[method-assign]
+    RouterTier.route = watched  # type: ignore[method-assign]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -78,8 +123,23 @@ def main() -> int:
     ap.add_argument("--time-scale", type=float, default=1.0)
     ap.add_argument("--worker-capacity", default="auto")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--jitter-ms",
+        type=float,
+        default=0.0,
+        help="shift every arrival by a uniform draw within +/- this (a noise-floor check)",
+    )
+    ap.add_argument("--jitter-seed", type=int, default=1)
+    ap.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="after each row: decisions by reason, and decisions made while another "
+        "replica's load change was still on its way",
+    )
     args = ap.parse_args()
     _timed_apply()
+    if args.diagnose:
+        _diagnose()
     for name in args.workloads.split(","):
         prep, cfg = workload(name, args)
         print(
@@ -104,6 +164,7 @@ def main() -> int:
                 elif mode == "precise":
                     policy = "cache_aware+events"
                 APPLY_NS[0] = 0
+                DIAG.clear()
                 row = simulate(prep, policy, c)
                 cpu = "-"
                 if mode == "approximate + store":
@@ -113,6 +174,8 @@ def main() -> int:
                     f"{row.ttft_p90:.3f} | {row.ttft_p99:.3f} | {cpu} |",
                     flush=True,
                 )
+                if args.diagnose:
+                    print(f"|   | ({n} {mode}: {dict(DIAG)}) |", flush=True)
     return 0
 
 
