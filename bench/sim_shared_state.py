@@ -3,14 +3,15 @@
 For 1, 2 and 3 replicas (dealt requests in turn by a balancer in front of them), on the
 same requests: ``approximate`` (each replica's own index and load, what ``kvroute serve``
 does without ``--state-store``), ``approximate + store`` (``--state-store``: decisions
-reach the other replicas ``--store-delay-ms`` later, loads shared every heartbeat), and
-``precise`` (``--kv-events``: every replica reads every engine's events). Prints one
-markdown table per workload: hit rate, TTFT p50/p90/p99, and with the store the CPU
-this process spent applying the other replicas' decisions to each replica's index
-(``DigestIndex.insert_digests``, the production code), per routed request and summed over
-the replicas. Publishing's own cost (queueing, ``XADD``) is Redis client work the
-simulator does not run: ``bench/shared_state_overhead.py`` and ``bench/http_shared_state.py``
-measure it.
+and each replica's load changes reach the others ``--store-delay-ms`` later),
+``precise`` (``--kv-events``: every replica reads every engine's events) and
+``precise + store`` (both flags). Prints one markdown table per workload: hit rate,
+TTFT p50/p90/p99, and with the store the CPU this process spent applying the other
+replicas' decisions to each replica's index (``DigestIndex.insert_digests``, the
+production code), per routed request and summed over the replicas. Publishing's own
+cost (queueing, ``XADD``) is Redis client work the simulator does not run:
+``bench/shared_state_overhead.py`` and ``bench/http_shared_state.py`` measure it.
+``--heartbeat-ms`` changes nothing here (heartbeats only expire a crashed router's load).
 
 Usage:
     python bench/sim_shared_state.py --workloads mooncake,llmd --store-delay-ms 2
@@ -36,7 +37,7 @@ from kvroute.sim.routers import RouterTier
 from kvroute.sim.workloads import llmd, mooncake
 
 TRACE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
-MODES = ("approximate", "approximate + store", "precise")
+MODES = ("approximate", "approximate + store", "precise", "precise + store")
 
 
 def workload(name: str, args: argparse.Namespace) -> tuple[Any, FleetConfig]:
@@ -118,7 +119,7 @@ def main() -> int:
     ap.add_argument("--replicas", default="1,2,3")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--store-delay-ms", type=float, default=2.0)
-    ap.add_argument("--heartbeat-ms", type=float, default=500.0, help="load sharing period")
+    ap.add_argument("--heartbeat-ms", type=float, default=500.0, help="heartbeat period")
     ap.add_argument("--trace", default=TRACE)
     ap.add_argument("--time-scale", type=float, default=1.0)
     ap.add_argument("--worker-capacity", default="auto")
@@ -155,19 +156,19 @@ def main() -> int:
             for mode in args.modes.split(","):
                 c = replace(cfg, router_replicas=n)
                 policy = "cache_aware"
-                if mode == "approximate + store":
+                if mode.endswith("+ store"):
                     c = replace(
                         c,
                         state_store_delay_s=args.store_delay_ms / 1000,
                         state_store_heartbeat_s=args.heartbeat_ms / 1000,
                     )
-                elif mode == "precise":
+                if mode.startswith("precise"):
                     policy = "cache_aware+events"
                 APPLY_NS[0] = 0
                 DIAG.clear()
                 row = simulate(prep, policy, c)
                 cpu = "-"
-                if mode == "approximate + store":
+                if mode.endswith("+ store"):
                     cpu = f"{APPLY_NS[0] / 1000 / len(prep.requests):.1f}"
                 print(
                     f"| {n} | {mode} | {row.hit_rate:.3f} | {row.ttft_p50:.3f} | "
