@@ -8,7 +8,7 @@
    (pipelined ``XADD``) alone, then again with another store in the same process reading
    and applying them (``XREAD``, ``insert_digests``); the process's CPU time over N is
    the publishing cost, then publish + apply (Redis's own CPU is another process's).
-3. Queued prefill (``fleet.shared.prefill``), with the same redis-server: requests one
+3. Queued prefill (``fleet.shared.loads``), with the same redis-server: requests one
    at a time as a router sees them (decision, work reserved, first byte, end, the event
    loop running the store's tasks in between): without a store, with decisions shared,
    and with the work model's queued prefill shared too; the process's CPU per request,
@@ -94,7 +94,7 @@ async def one_at_a_time(url: str, tokens: int, n: int, *, mode: str) -> float:
         ticket.end(0.2)
         await asyncio.sleep(0)
     while store is not None and time.monotonic() < deadline + 120:
-        if store.counters.published >= n and not (store.prefill and store.prefill.dirty):
+        if store.counters.published >= n and not (store.shared_load and store.shared_load.dirty):
             break
         await asyncio.sleep(0.01)
     spent = time.process_time_ns() - t0

@@ -129,13 +129,13 @@ def test_decisions_pack_into_one_entry_and_bad_blobs_are_refused() -> None:
 
 
 def test_load_reaches_the_other_routers_as_it_changes() -> None:
-    from kvroute.fleet.shared.prefill import SharedPrefill, pack
+    from kvroute.fleet.shared.loads import SharedLoad, pack
     from kvroute.routing.load import LoadModel
 
     mine, theirs = LoadModel(), LoadModel()
     woken: list[int] = []
-    pub = SharedPrefill(mine, lambda: woken.append(1))
-    sub = SharedPrefill(theirs, lambda: None)
+    pub = SharedLoad(mine, lambda: woken.append(1))
+    sub = SharedLoad(theirs, lambda: None)
     for m in (mine, theirs):
         m.add_worker("http://a")
         m.add_worker("http://b")

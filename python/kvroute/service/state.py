@@ -122,7 +122,7 @@ class RouterState:
         if self.store is None:
             return {}
         store = self.store
-        shared = store.prefill
+        shared = store.shared_load
         return {
             "peer_in_flight": store.peer_load.get(url, 0),
             # The other routers' requests there still waiting for a first byte, and

@@ -28,7 +28,7 @@ What an approximate router cannot see, modelled so precise mode can be judged on
   decisions reach the other replicas' indexes ``store_delay_s`` later (the Redis round
   trip and the reader's wake-up); so does each replica's load per worker whenever it
   changes (requests in flight, those waiting for a first byte, their uncached tokens),
-  which the others add to their own, as ``kvroute.fleet.shared.prefill`` publishes and
+  which the others add to their own, as ``kvroute.fleet.shared.loads`` publishes and
   applies it. Heartbeats (``heartbeat_s``) only expire a crashed router's load there:
   no replica crashes here, so they change nothing.
 

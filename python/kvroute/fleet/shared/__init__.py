@@ -9,7 +9,7 @@ router knows alone:
   (``DigestIndex``), so a peer's decision lands in the very tree a local one does, under
   the same per-worker budget: a prefix routed by router A is matched by router B, and
   every router evicts the same way. No prompt text or token ID leaves the router.
-* **Load** (``prefill``, ``store.StateStore.peer_load``): each router publishes its
+* **Load** (``loads``, ``store.StateStore.peer_load``): each router publishes its
   load per worker on the stream whenever it changes (requests in flight, those waiting
   for a first byte, their uncached tokens) and adds the others' to its own: the
   registry's counts (``Registry.peer_load``: balance decisions, saturation guard) and
@@ -23,7 +23,7 @@ router knows alone:
 
 ``wire`` documents the keys; ``store`` the failure semantics and why a stream;
 ``applying`` what a peer's entry does here; ``members`` how the worker list is kept in
-step; ``heartbeat`` the load and live-router records; ``prefill`` the queued prefill.
+step; ``heartbeat`` the load and live-router records; ``loads`` the load shared as it changes.
 """
 
 from kvroute.fleet.shared.applying import StoreCounters

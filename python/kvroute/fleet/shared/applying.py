@@ -4,7 +4,7 @@ reading half, kept apart from the connection handling in ``store``).
 Each entry read off the stream (``wire``) is applied in order: decisions go into the
 digest-keyed index (and, for a router without a load model, count as one more request
 on their worker until the publisher's next heartbeat); the load an entry carries
-replaces what was known of the publisher's (``prefill``); membership changes and cache
+replaces what was known of the publisher's (``loads``); membership changes and cache
 flushes go to ``members`` and the index.
 Entries this router wrote itself were applied when it made them and are skipped.
 """
@@ -20,8 +20,8 @@ from kvroute.config import ConfigError, normalize_worker_url
 if TYPE_CHECKING:
     from kvroute.fleet.registry import Registry
     from kvroute.fleet.shared.digests import DigestIndex
+    from kvroute.fleet.shared.loads import SharedLoad
     from kvroute.fleet.shared.members import Membership
-    from kvroute.fleet.shared.prefill import SharedPrefill
 
 
 @dataclass
@@ -46,7 +46,7 @@ class Applier:
     index: DigestIndex | None
     registry: Registry
     members: Membership
-    prefill: SharedPrefill | None
+    shared_load: SharedLoad | None
     counters: StoreCounters
     peer_load: dict[str, int]
 
@@ -55,12 +55,12 @@ class Applier:
             return  # our own entry: applied when it was decided
         kind = fields.get(b"k")
         queued = fields.get(b"p")
-        if queued and self.prefill is not None:
+        if queued and self.shared_load is not None:
             try:
-                self.prefill.apply(fields.get(b"r", b""), queued)
+                self.shared_load.apply(fields.get(b"r", b""), queued)
             except ValueError:
                 self.counters.malformed += 1
-        if kind == wire.PREFILL:
+        if kind == wire.LOAD:
             return
         if kind == wire.INSERT:
             t = fields.get(b"t", b"")
@@ -97,7 +97,7 @@ class Applier:
         if self.index is not None:
             self.index.insert_digests(worker, digests)
         self.counters.applied["insert"] += 1
-        if recent and self.prefill is None:
+        if recent and self.shared_load is None:
             # A request the peer just sent there: count it until its next heartbeat
             # reports the peer's exact load (which replaces this estimate). With the
             # load shared as it changes, the reservation rides with the decision.

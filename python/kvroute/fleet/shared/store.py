@@ -43,8 +43,8 @@ from kvroute.fleet.registry import Registry
 from kvroute.fleet.shared.applying import Applier, StoreCounters
 from kvroute.fleet.shared.digests import DigestIndex
 from kvroute.fleet.shared.heartbeat import heartbeat
+from kvroute.fleet.shared.loads import SharedLoad
 from kvroute.fleet.shared.members import Membership
-from kvroute.fleet.shared.prefill import SharedPrefill
 from kvroute.routing.load import LoadModel
 
 log = logging.getLogger("kvroute.fleet.shared")
@@ -61,7 +61,7 @@ class StateStore(Applier):
     ``peer_load``: per worker, the requests other live routers have in flight on it
     (summed; a router whose heartbeat expired counts for nothing). With ``work`` (the
     router's load model) each router publishes its load as it changes and the others
-    read it off the stream a few ms later (``prefill``: in flight, and the queued
+    read it off the stream a few ms later (``loads``: in flight, and the queued
     prefill the load model also reads); without, as of their last heartbeats plus one
     for each decision a peer published since. The dict is updated in place, so holders
     of a reference (``Registry.peer_load``, a load model) always read the current value.
@@ -105,10 +105,10 @@ class StateStore(Applier):
         self._client: aioredis.Redis | None = None
         if index is not None:
             index.on_insert = self.publish_insert
-        # The work model's load and queued prefill, shared both ways (``prefill``).
-        self.prefill = None
+        # The work model's load and queued prefill, shared both ways (``loads``).
+        self.shared_load = None
         if work is not None:
-            self.prefill = SharedPrefill(work, self._wake.set, self.peer_load)
+            self.shared_load = SharedLoad(work, self._wake.set, self.peer_load)
 
     # ------------------------------------------------------------- request path
 
@@ -180,8 +180,8 @@ class StateStore(Applier):
                 self.connected = False
                 self.peer_load.clear()
                 self.routers.clear()
-                if self.prefill is not None:
-                    self.prefill.clear()
+                if self.shared_load is not None:
+                    self.shared_load.clear()
                 if self._client is not None:  # pooled sockets to a dead server: drop them
                     with contextlib.suppress(Exception):
                         await self._client.connection_pool.disconnect()
@@ -193,8 +193,8 @@ class StateStore(Applier):
         assert client is not None
         await client.ping()
         await self._catch_up(client)
-        if self.prefill is not None:
-            self.prefill.resend_all()
+        if self.shared_load is not None:
+            self.shared_load.resend_all()
         self.connected = True
         self.counters.connects += 1
         log.info("state store %s connected (router id %s)", self.url.redacted, self.id)
@@ -223,13 +223,13 @@ class StateStore(Applier):
 
     async def _publish_loop(self, client: aioredis.Redis) -> None:
         while True:
-            prefill = self.prefill
-            if not self._buf and not self.members.pending and not (prefill and prefill.dirty):
+            shared = self.shared_load
+            if not self._buf and not self.members.pending and not (shared and shared.dirty):
                 self._wake.clear()
                 await self._wake.wait()
             await self.members.flush(client, self._rid, self.stream_len)
             n = min(len(self._buf), BATCH)
-            queued = prefill.take() if prefill is not None and prefill.dirty else b""
+            queued = shared.take() if shared is not None and shared.dirty else b""
             if not n and not queued:
                 continue
             batch = [self._buf.popleft() for _ in range(n)]
@@ -264,10 +264,10 @@ class StateStore(Applier):
         mine = {url: w.in_flight for url, w in self.registry.workers.items() if w.in_flight > 0}
         routers, load = await heartbeat(client, self.id, self.info, mine, self.ttl_ms)
         self.routers = routers
-        if self.prefill is not None:  # load as published when it changed (``prefill``)
-            self.prefill.keep({rid.encode() for rid in routers})
+        if self.shared_load is not None:  # load as published when it changed (``loads``)
+            self.shared_load.keep({rid.encode() for rid in routers})
             for rid, theirs in load.items():
-                self.prefill.beat(rid.encode(), theirs)
+                self.shared_load.beat(rid.encode(), theirs)
             return
         self.peer_load.clear()
         for theirs in load.values():

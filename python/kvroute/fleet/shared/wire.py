@@ -10,8 +10,8 @@ Keys (all under ``kvroute:``; one fleet per Redis database, chosen by the URL's 
     the prompt's block digests as little-endian u64s), one entry for many decisions
     because each Redis command costs the publisher and every reader tens of µs of
     Python. Field ``p`` (with kind ``i``, or alone with kind ``p``): the publisher's
-    queued prefill per worker that changed since its last entry (``prefill.pack``:
-    requests waiting for a first byte and their uncached tokens). Kinds ``a`` / ``d``:
+    load per worker that changed since its last entry (``loads.pack``: requests in
+    flight, those waiting for a first byte, their uncached tokens). Kinds ``a`` / ``d``:
     worker ``w`` added / removed; ``c``: the workers' caches
     were flushed (``POST /flush_cache``), every router clears its index.
 ``kvroute:workers``
@@ -38,7 +38,7 @@ WORKERS = PREFIX + "workers"
 ROUTER = PREFIX + "router:"
 LOAD_FIELD = "l:"
 
-INSERT, ADDED, REMOVED, CLEARED, PREFILL = b"i", b"a", b"d", b"c", b"p"
+INSERT, ADDED, REMOVED, CLEARED, LOAD = b"i", b"a", b"d", b"c", b"p"
 
 
 def now_ms() -> int:
@@ -76,14 +76,14 @@ def unpack_inserts(blob: bytes) -> Iterator[tuple[bytes, bytes]]:
 
 
 def insert_entry(
-    router: bytes, decisions: Sequence[tuple[str, bytes]], prefill: bytes = b""
+    router: bytes, decisions: Sequence[tuple[str, bytes]], load: bytes = b""
 ) -> dict[bytes, bytes]:
     t = b"%d" % now_ms()
-    entry = {b"r": router, b"k": INSERT if decisions else PREFILL, b"t": t}
+    entry = {b"r": router, b"k": INSERT if decisions else LOAD, b"t": t}
     if decisions:
         entry[b"b"] = pack_inserts(decisions)
-    if prefill:
-        entry[b"p"] = prefill
+    if load:
+        entry[b"p"] = load
     return entry
 
 

@@ -63,7 +63,7 @@ def unpack(blob: bytes) -> Iterator[tuple[str, int, int, int]]:
         at += n_url
 
 
-class SharedPrefill:
+class SharedLoad:
     """This router's load to publish, and the other routers' to balance and predict on.
 
     ``flight`` may be given (the store's ``peer_load``, which other holders reference);
