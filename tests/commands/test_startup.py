@@ -165,6 +165,10 @@ OTHER_PROGRAMS = {
     "--store-delay-ms",  # bench/sim_shared_state.py
     "--replicas",  # bench/sim_shared_state.py
     "--workloads",  # bench/sim_shared_state.py
+    "--modes",  # bench/sim_shared_state.py
+    "--jitter-ms",  # bench/sim_shared_state.py
+    "--jitter-seed",  # bench/sim_shared_state.py
+    "--diagnose",  # bench/sim_shared_state.py
 }
 
 
