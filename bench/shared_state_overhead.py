@@ -8,6 +8,11 @@
    (pipelined ``XADD``) alone, then again with another store in the same process reading
    and applying them (``XREAD``, ``insert_digests``); the process's CPU time over N is
    the publishing cost, then publish + apply (Redis's own CPU is another process's).
+3. Queued prefill (``fleet.shared.loads``), with the same redis-server: requests one
+   at a time as a router sees them (decision, work reserved, first byte, end, the event
+   loop running the store's tasks in between): without a store, with decisions shared,
+   and with the work model's queued prefill shared too; the process's CPU per request,
+   the three interleaved in one run.
 
 Usage:
     python bench/shared_state_overhead.py --tokens 2000,8000 --n 2000
@@ -31,6 +36,7 @@ from kvroute._native import PrefixIndex
 from kvroute.config import Settings, StoreURL
 from kvroute.fleet.registry import Registry
 from kvroute.fleet.shared import DigestIndex, StateStore
+from kvroute.routing.load import LoadModel
 
 WORKERS = [f"http://10.0.0.{i}:8000" for i in range(8)]
 
@@ -49,11 +55,52 @@ def prompts(n: int, tokens: int, groups: int = 64) -> list[array.array[int]]:
     ]
 
 
-def make_store(url: str, index: DigestIndex | None) -> StateStore:
+def make_store(url: str, index: DigestIndex | None, work: LoadModel | None = None) -> StateStore:
     registry = Registry(Settings(worker_urls=WORKERS).validate())
     for w in WORKERS:
         registry.add(w)
-    return StateStore(StoreURL(url), registry, index, router_url="http://x:1", version="bench")
+    return StateStore(
+        StoreURL(url), registry, index, router_url="http://x:1", version="bench", work=work
+    )
+
+
+async def one_at_a_time(url: str, tokens: int, n: int, *, mode: str) -> float:
+    """CPU µs per request routed one at a time, publishing included. ``mode``: ``none``
+    (no store: the token-keyed index), ``decisions``, ``prefill`` (decisions and queued
+    prefill shared)."""
+    ps = prompts(n, tokens)
+    model = LoadModel()
+    for w in WORKERS:
+        model.add_worker(w)
+    index: DigestIndex | PrefixIndex = PrefixIndex(None)
+    store = None
+    deadline = time.monotonic() + 30
+    if mode != "none":
+        index = DigestIndex(None)
+        store = make_store(url, index, model if mode == "prefill" else None)
+        store._buf_len = n + 1
+        await store.start()
+        while not store.connected and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+    t0 = time.process_time_ns()
+    for i, p in enumerate(ps):
+        w = WORKERS[i % 8]
+        index.longest_match(p)
+        index.insert(w, p)
+        ticket = model.reserve(w, len(p), 100, 0.0)
+        await asyncio.sleep(0)  # the store's tasks run between requests
+        ticket.first_byte(0.1)
+        await asyncio.sleep(0)
+        ticket.end(0.2)
+        await asyncio.sleep(0)
+    while store is not None and time.monotonic() < deadline + 120:
+        if store.counters.published >= n and not (store.shared_load and store.shared_load.dirty):
+            break
+        await asyncio.sleep(0.01)
+    spent = time.process_time_ns() - t0
+    if store is not None:
+        await store.stop()
+    return spent / n / 1000
 
 
 def request_path(tokens: int, n: int, rounds: int = 5) -> tuple[float, float]:
@@ -141,6 +188,23 @@ def main() -> int:
                         c.flushdb()  # a fresh stream: the reader must not replay a past run
                     row.append(asyncio.run(background(redis.url, t, args.n, apply=apply)))
                 print(f"| {t:,} | {row[0]:.1f} | {row[1]:.1f} |", flush=True)
+            print(
+                "\n| prompt tokens | no store (µs/request) | decisions shared "
+                "| decisions + queued prefill |"
+            )
+            print("|---|---|---|---|")
+            modes = ("none", "decisions", "prefill")
+            for t in sizes:
+                sums = dict.fromkeys(modes, 0.0)
+                for _ in range(3):  # interleaved rounds
+                    for mode in modes:
+                        with redis.client() as c:
+                            c.flushdb()
+                        coro = one_at_a_time(redis.url, t, args.n, mode=mode)
+                        sums[mode] += asyncio.run(coro) / 3
+                base = sums["none"]
+                cells = " | ".join(f"{sums[m]:.1f} ({sums[m] - base:+.1f})" for m in modes[1:])
+                print(f"| {t:,} | {base:.1f} | {cells} |", flush=True)
         finally:
             redis.stop()
     return 0

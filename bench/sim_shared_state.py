@@ -3,9 +3,15 @@
 For 1, 2 and 3 replicas (dealt requests in turn by a balancer in front of them), on the
 same requests: ``approximate`` (each replica's own index and load, what ``kvroute serve``
 does without ``--state-store``), ``approximate + store`` (``--state-store``: decisions
-reach the other replicas ``--store-delay-ms`` later, loads shared every heartbeat), and
-``precise`` (``--kv-events``: every replica reads every engine's events). Prints one
-markdown table per workload: hit rate and TTFT p50/p90/p99.
+and each replica's load changes reach the others ``--store-delay-ms`` later),
+``precise`` (``--kv-events``: every replica reads every engine's events) and
+``precise + store`` (both flags). Prints one markdown table per workload: hit rate,
+TTFT p50/p90/p99, and with the store the CPU this process spent applying the other
+replicas' decisions to each replica's index (``DigestIndex.insert_digests``, the
+production code), per routed request and summed over the replicas. Publishing's own
+cost (queueing, ``XADD``) is Redis client work the simulator does not run:
+``bench/shared_state_overhead.py`` and ``bench/http_shared_state.py`` measure it.
+``--heartbeat-ms`` changes nothing here (heartbeats only expire a crashed router's load).
 
 Usage:
     python bench/sim_shared_state.py --workloads mooncake,llmd --store-delay-ms 2
@@ -14,17 +20,24 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import collections
 import time
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
+
 from kvroute.config import parse_worker_capacity
+from kvroute.fleet.shared import DigestIndex
+from kvroute.routing.policies.base import Decision, RouteRequest
+from kvroute.routing.policies.cache_aware import CacheAware
 from kvroute.sim.cost import CostModel
 from kvroute.sim.fleet import FleetConfig, prepare, simulate, upper_bound
+from kvroute.sim.routers import RouterTier
 from kvroute.sim.workloads import llmd, mooncake
 
 TRACE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
-MODES = ("approximate", "approximate + store", "precise")
+MODES = ("approximate", "approximate + store", "precise", "precise + store")
 
 
 def workload(name: str, args: argparse.Namespace) -> tuple[Any, FleetConfig]:
@@ -37,11 +50,65 @@ def workload(name: str, args: argparse.Namespace) -> tuple[Any, FleetConfig]:
     )
     if name == "mooncake":
         reqs = mooncake(args.trace, seed=args.seed, time_scale=args.time_scale)
-        return prepare(reqs, 16), replace(base, workers=8)
-    if name == "llmd":
+        cfg = replace(base, workers=8)
+    elif name == "llmd":
         reqs = llmd(output_len=1000, seed=args.seed, arrivals="poisson", rate=4.0)
-        return prepare(reqs, 16), replace(base, workers=4, capacity_tokens=308_000)
-    raise SystemExit(f"unknown workload {name!r}")
+        cfg = replace(base, workers=4, capacity_tokens=308_000)
+    else:
+        raise SystemExit(f"unknown workload {name!r}")
+    if args.jitter_ms:  # how sensitive the tail is to the arrivals' exact instants
+        rng = np.random.default_rng([args.jitter_seed, 0x717])
+        for r in reqs:
+            r.arrival_s = max(0.0, r.arrival_s + float(rng.uniform(-1, 1)) * args.jitter_ms / 1000)
+    return prepare(reqs, 16), cfg
+
+
+APPLY_NS = [0]
+
+
+def _timed_apply() -> None:
+    """Count the CPU time of every peer decision applied (``APPLY_NS``)."""
+    apply = DigestIndex.insert_digests
+
+    def timed(self: DigestIndex, worker: str, digests: bytes) -> None:
+        t0 = time.process_time_ns()
+        apply(self, worker, digests)
+        APPLY_NS[0] += time.process_time_ns() - t0
+
+    DigestIndex.insert_digests = timed  # type: ignore[method-assign]
+
+
+DIAG: collections.Counter[str] = collections.Counter()
+
+
+def _diagnose() -> None:
+    """Count, per row, the decisions by reason and those a replica made while another
+    replica's load change was still on its way to it (``DIAG``)."""
+    select = CacheAware.select
+
+    def tallied(self: CacheAware, request: RouteRequest, loads: Any) -> Decision:
+        d = select(self, request, loads)
+        DIAG[d.reason] += 1
+        return d
+
+    route = RouterTier.route
+
+    def watched(
+        self: RouterTier, r: int, request: RouteRequest, now: float = 0.0, out: int = 1
+    ) -> str:
+        unseen: set[str] = set()
+        if self.shared:
+            self._sync(now)
+            k = self._next
+            unseen = {w for _, j, w, _ in self._work_wire if j != k}
+        worker = route(self, r, request, now, out)
+        if unseen:
+            DIAG["load change unseen"] += 1
+            DIAG["... onto that worker"] += worker in unseen
+        return worker
+
+    CacheAware.select = tallied  # type: ignore[method-assign]
+    RouterTier.route = watched  # type: ignore[method-assign]
 
 
 def main() -> int:
@@ -52,41 +119,64 @@ def main() -> int:
     ap.add_argument("--replicas", default="1,2,3")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--store-delay-ms", type=float, default=2.0)
-    ap.add_argument("--heartbeat-ms", type=float, default=500.0, help="load sharing period")
+    ap.add_argument("--heartbeat-ms", type=float, default=500.0, help="heartbeat period")
     ap.add_argument("--trace", default=TRACE)
     ap.add_argument("--time-scale", type=float, default=1.0)
     ap.add_argument("--worker-capacity", default="auto")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--jitter-ms",
+        type=float,
+        default=0.0,
+        help="shift every arrival by a uniform draw within +/- this (a noise-floor check)",
+    )
+    ap.add_argument("--jitter-seed", type=int, default=1)
+    ap.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="after each row: decisions by reason, and decisions made while another "
+        "replica's load change was still on its way",
+    )
     args = ap.parse_args()
+    _timed_apply()
+    if args.diagnose:
+        _diagnose()
     for name in args.workloads.split(","):
         prep, cfg = workload(name, args)
         print(
             f"\n### {name}: {cfg.workers} workers, {len(prep.requests)} requests, "
             f"upper bound {upper_bound(prep):.3f}, store delay {args.store_delay_ms:g} ms\n"
         )
-        print("| replicas | mode | hit rate | TTFT p50 (s) | TTFT p90 (s) | TTFT p99 (s) |")
-        print("|---|---|---|---|---|---|")
+        print(
+            "| replicas | mode | hit rate | TTFT p50 (s) | TTFT p90 (s) | TTFT p99 (s) "
+            "| apply CPU (µs/request) |"
+        )
+        print("|---|---|---|---|---|---|---|")
         for n in (int(x) for x in args.replicas.split(",")):
             for mode in args.modes.split(","):
                 c = replace(cfg, router_replicas=n)
                 policy = "cache_aware"
-                if mode == "approximate + store":
+                if mode.endswith("+ store"):
                     c = replace(
                         c,
                         state_store_delay_s=args.store_delay_ms / 1000,
                         state_store_heartbeat_s=args.heartbeat_ms / 1000,
                     )
-                elif mode == "precise":
+                if mode.startswith("precise"):
                     policy = "cache_aware+events"
-                t0 = time.perf_counter()
+                APPLY_NS[0] = 0
+                DIAG.clear()
                 row = simulate(prep, policy, c)
-                wall = time.perf_counter() - t0
+                cpu = "-"
+                if mode.endswith("+ store"):
+                    cpu = f"{APPLY_NS[0] / 1000 / len(prep.requests):.1f}"
                 print(
                     f"| {n} | {mode} | {row.hit_rate:.3f} | {row.ttft_p50:.3f} | "
-                    f"{row.ttft_p90:.3f} | {row.ttft_p99:.3f} |",
+                    f"{row.ttft_p90:.3f} | {row.ttft_p99:.3f} | {cpu} |",
                     flush=True,
                 )
-                del wall
+                if args.diagnose:
+                    print(f"|   | ({n} {mode}: {dict(DIAG)}) |", flush=True)
     return 0
 
 

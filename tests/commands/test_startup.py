@@ -168,6 +168,10 @@ OTHER_PROGRAMS = {
     "--bisect",  # bench/work_aware.py
     "--only",  # bench/work_aware.py
     "--no-sweep",  # bench/work_aware.py
+    "--modes",  # bench/sim_shared_state.py
+    "--jitter-ms",  # bench/sim_shared_state.py
+    "--jitter-seed",  # bench/sim_shared_state.py
+    "--diagnose",  # bench/sim_shared_state.py
 }
 
 

@@ -7,6 +7,8 @@ bounded poll for a condition, never a sleep standing in for one.
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -33,6 +35,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 BLOCKS = 16  # tokens per shared digest block
+QUESTION = 64  # tokens of each request's own question in the load test
 
 
 @pytest.fixture
@@ -133,9 +136,19 @@ def test_load_through_one_router_steers_another(
     for w in ws:
         control(w, delay_s=10.0)  # router 1's requests stay in flight while router 2 routes
     r1, r2 = routers(2, [w.url for w in ws], redis_server.url)
-    hot = group_prompt(0, 0)
+    # One long hot prefix (its cache saves more than the queue behind it costs, so
+    # router 1 keeps them on one worker), each with its own question: router 1's 8
+    # requests queue real prefill work there.
+    hot = [90_000 + k for k in range(200 * BLOCKS)]
     results: list[httpx.Response] = []
-    threads = [threading.Thread(target=lambda: results.append(ask(r1, hot))) for _ in range(8)]
+    threads = [
+        threading.Thread(
+            target=lambda i=i: results.append(
+                ask(r1, hot + [30_000 + 1000 * i + k for k in range(QUESTION)])
+            )
+        )
+        for i in range(8)
+    ]
     for t in threads:
         t.start()
 
@@ -145,6 +158,15 @@ def test_load_through_one_router_steers_another(
 
     assert wait_until(lambda: max(peer_load().values()) == 8), peer_load()
     busy = max(peer_load(), key=lambda u: peer_load()[u])
+
+    # Router 2 also knows they all wait for a first byte, and how much prefill they hold:
+    # at least each one's own question (the prefix's digest blocks may be predicted cached).
+    def queued() -> tuple[int, int]:
+        rows = httpx.get(r2.url + "/workers", timeout=5).json()
+        row = next(w for w in rows if w["url"] == busy)
+        return row["peer_prefill_requests"], row["peer_prefill_tokens"]
+
+    assert wait_until(lambda: queued()[0] == 8 and queued()[1] >= 8 * QUESTION), queued()
     # New prefixes through router 2: it sees router 1's 8 requests on ``busy``.
     answers: list[httpx.Response] = []
     others = [
@@ -160,6 +182,8 @@ def test_load_through_one_router_steers_another(
     assert [r.headers["x-kvroute-worker"] for r in answers].count(busy) == 0
     # Router 1's requests ended: their load leaves router 2's view.
     assert wait_until(lambda: max(peer_load().values()) == 0)
+    rows = httpx.get(r2.url + "/workers", timeout=5).json()
+    assert all(w["peer_prefill_requests"] == 0 and w["peer_prefill_tokens"] == 0 for w in rows)
 
 
 def test_worker_added_on_one_router_is_used_by_the_others(
@@ -186,6 +210,14 @@ def test_worker_added_on_one_router_is_used_by_the_others(
     assert wait_until(lambda: all(live(r) == 3 for r in (r1, r2, r3)))
     status = httpx.get(r2.url + "/status", timeout=5).text
     assert "Routers sharing state (3 live)" in status and r3.url in status
+    # /workers stays a list of workers; it says how many routers are live, and lists
+    # them beside the workers when asked.
+    plain = httpx.get(r2.url + "/workers", timeout=5)
+    assert isinstance(plain.json(), list) and plain.headers["x-kvroute-routers"] == "3"
+    both = httpx.get(r2.url + "/workers", params={"include": "routers"}, timeout=5).json()
+    assert {w["url"] for w in both["workers"]} == {b.url}
+    assert {r["url"] for r in both["routers"]} == {r.url for r in (r1, r2, r3)}
+    assert [r["self"] for r in both["routers"]].count(True) == 1
 
 
 def test_redis_killed_mid_run(
@@ -244,19 +276,58 @@ def test_redis_killed_mid_run(
         assert wait_until(lambda: metric(rs[0], "kvroute_state_store_buffered") == 0)
         r0 = next(r["id"] for r in httpx.get(rs[0].url + "/routers").json() if r["self"])
         with back.client() as c:
-            mine = [f for _, f in c.xrange("kvroute:stream") if f[b"r"] == r0.encode()]
+            mine = [
+                f
+                for _, f in c.xrange("kvroute:stream")
+                if f[b"r"] == r0.encode() and f[b"k"] == b"i"
+            ]
         last = list(unpack_inserts(mine[-1][b"b"]))[-1]
         assert last[0] == home.encode()  # router 0's decisions, resent after the outage
         # Router 1 reads the new stream from its start: once it has applied all of them,
         # it routes the new group where router 0 did.
-        want = applied_before + sum(
-            len(list(unpack_inserts(f[b"b"]))) for f in mine if f[b"k"] == b"i"
-        )
+        want = applied_before + sum(len(list(unpack_inserts(f[b"b"]))) for f in mine)
         assert wait_until(lambda: applied(rs[1]) >= want, 60), (applied(rs[1]), want)
         second = ask(rs[1], group_prompt(42, 1))
         assert second.headers["x-kvroute-worker"] == home
     finally:
         back.stop()
+
+
+def test_redis_paused_delays_no_request(
+    tmp_path: Path, processes: list[Server], redis_server: RedisServer, routers: Routers
+) -> None:
+    """A Redis that stops answering (SIGSTOP: connections stay open, nothing comes
+    back) must not hold a request: each is answered well within the store client's 2 s
+    socket timeout, which is what a request waiting on Redis would take at least."""
+    ws = workers(tmp_path, processes, 2)
+    rs = routers(2, [w.url for w in ws], redis_server.url)
+    assert wait_until(lambda: all(live(r) == 2 for r in rs))
+    for i in range(4):
+        assert ask(rs[i % 2], group_prompt(i, 0)).status_code == 200
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        # First while the routers still believe they are connected (their commands
+        # hang), then once they noticed.
+        for i in range(40):
+            assert ask(rs[i % 2], group_prompt(i % 5, i), timeout=1.5).status_code == 200
+        assert wait_until(
+            lambda: all(metric(r, "kvroute_state_store_connected") == 0 for r in rs), 30
+        )
+        for i in range(10):
+            assert ask(rs[i % 2], group_prompt(i % 5, i), timeout=1.5).status_code == 200
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    assert wait_until(lambda: all(metric(r, "kvroute_state_store_connected") == 1 for r in rs), 60)
+    assert wait_until(lambda: all(live(r) == 2 for r in rs))
+    # Converged again: a new group routed by one router is found by the other.
+    home = ask(rs[0], group_prompt(77, 0)).headers["x-kvroute-worker"]
+    assert wait_until(lambda: metric(rs[0], "kvroute_state_store_buffered") == 0)
+    r0 = next(r["id"] for r in httpx.get(rs[0].url + "/routers").json() if r["self"])
+    with redis_server.client() as c:
+        entries = [f for _, f in c.xrange("kvroute:stream") if f[b"r"] == r0.encode()]
+    published = sum(len(list(unpack_inserts(f[b"b"]))) for f in entries if f[b"k"] == b"i")
+    assert wait_until(lambda: applied(rs[1]) >= published), (applied(rs[1]), published)
+    assert ask(rs[1], group_prompt(77, 1)).headers["x-kvroute-worker"] == home
 
 
 def test_password_never_appears(tmp_path: Path, processes: list[Server], routers: Routers) -> None:

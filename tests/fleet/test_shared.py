@@ -126,3 +126,64 @@ def test_decisions_pack_into_one_entry_and_bad_blobs_are_refused() -> None:
     for bad in (blob[:-1], blob[:3], wire.pack_inserts([("http://w:1", b"\x00" * 7)])):
         with pytest.raises(ValueError):
             list(wire.unpack_inserts(bad))
+
+
+def test_load_reaches_the_other_routers_as_it_changes() -> None:
+    from kvroute.fleet.shared.loads import SharedLoad, pack
+    from kvroute.routing.load import LoadModel
+
+    mine, theirs = LoadModel(), LoadModel()
+    woken: list[int] = []
+    pub = SharedLoad(mine, lambda: woken.append(1))
+    sub = SharedLoad(theirs, lambda: None)
+    for m in (mine, theirs):
+        m.add_worker("http://a")
+        m.add_worker("http://b")
+    before = theirs.ahead("http://a")
+    t1 = mine.reserve("http://a", 5000, 10, 0.0)
+    t2 = mine.reserve("http://a", 3000, 10, 0.0)
+    assert woken and pub.dirty
+    sub.apply(b"r1", pub.take())
+    assert not pub.dirty
+    assert (sub.flight, sub.pending, sub.tokens) == (
+        {"http://a": 2},
+        {"http://a": 2},
+        {"http://a": 8000},
+    )
+    # The other router counts them as taken slots, and predicts the queue ahead on a
+    # from the shared tokens.
+    assert theirs.peer == {"http://a": 2}
+    assert theirs.ahead("http://a") > before + 7000 / 15_000
+    assert theirs.ahead("http://b") == 0.0
+    t1.first_byte(0.1)  # decoding: still in flight, no longer queued for prefill
+    sub.apply(b"r1", pub.take())
+    assert (sub.flight, sub.pending, sub.tokens) == (
+        {"http://a": 2},
+        {"http://a": 1},
+        {"http://a": 3000},
+    )
+    t1.end(0.2)
+    t2.end(0.2)
+    sub.apply(b"r1", pub.take())  # absolute values: back to nothing
+    assert (sub.flight, sub.pending, sub.tokens) == ({}, {}, {})
+    # Known only from its heartbeat until it publishes; an expired router stops counting.
+    mine.reserve("http://b", 100, 10, 0.3)
+    sub.apply(b"r1", pub.take())
+    sub.beat(b"r2", {"http://b": 5})
+    sub.beat(b"r1", {"http://b": 9})  # r1 published: its records win over its beat
+    assert sub.flight == {"http://b": 6}
+    sub.apply(b"r2", pack([("http://b", 3, 3, 16)]))
+    sub.beat(b"r2", {"http://b": 5})  # r2 published too: its beat no longer counts
+    assert (sub.flight, sub.pending, sub.tokens) == (
+        {"http://b": 4},
+        {"http://b": 4},
+        {"http://b": 116},
+    )
+    sub.keep({b"r2"})
+    assert (sub.flight, sub.pending, sub.tokens) == (
+        {"http://b": 3},
+        {"http://b": 3},
+        {"http://b": 16},
+    )
+    with pytest.raises(ValueError):
+        sub.apply(b"r3", b"\x08\x00\x03\x00")

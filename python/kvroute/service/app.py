@@ -300,8 +300,19 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
 
     @app.get("/workers", responses=openapi.ROUTES["list_workers"])
     async def list_workers(request: Request) -> Response:
+        """Every worker (a JSON list, as always). With --state-store, the live routers
+        too: ``?include=routers`` answers ``{"workers": [...], "routers": [...]}``, and
+        every answer says how many are live (``X-Kvroute-Routers``, ``Link`` to /routers)."""
         check_api_key(request)
-        return Response(orjson.dumps(state.workers_json()), media_type="application/json")
+        workers = state.workers_json()
+        if state.store is None:
+            return Response(orjson.dumps(workers), media_type="application/json")
+        routers = state.routers_json()
+        headers = {"x-kvroute-routers": str(len(routers)), "link": '</routers>; rel="routers"'}
+        body: Any = workers
+        if request.query_params.get("include") == "routers":
+            body = {"workers": workers, "routers": routers}
+        return Response(orjson.dumps(body), media_type="application/json", headers=headers)
 
     @app.post(
         "/workers",

@@ -121,7 +121,15 @@ class RouterState:
     def _peer_json(self, url: str) -> dict[str, Any]:
         if self.store is None:
             return {}
-        return {"peer_in_flight": self.store.peer_load.get(url, 0)}
+        store = self.store
+        shared = store.shared_load
+        return {
+            "peer_in_flight": store.peer_load.get(url, 0),
+            # The other routers' requests there still waiting for a first byte, and
+            # their uncached prompt tokens (what the work model predicts on).
+            "peer_prefill_requests": shared.pending.get(url, 0) if shared else None,
+            "peer_prefill_tokens": shared.tokens.get(url, 0) if shared else None,
+        }
 
     def worker_capacity(self, url: str) -> int | None:
         """The saturation guard's capacity for ``url``: fixed, learned, or None."""
@@ -268,6 +276,7 @@ def setup_store(state: RouterState) -> None:
         version=__version__,
         heartbeat_s=s.state_store_heartbeat_secs,
         stream_len=s.state_store_stream_len,
+        work=state.work,
     )
     state.store = store
     state.registry.peer_load = store.peer_load

@@ -26,9 +26,11 @@ What an approximate router cannot see, modelled so precise mode can be judged on
 * **A shared store** (``store_delay_s``, ``kvroute serve --state-store``): each replica
   keys its index by block digests (``kvroute.fleet.shared.DigestIndex``) and its
   decisions reach the other replicas' indexes ``store_delay_s`` later (the Redis round
-  trip and the reader's wake-up); each replica's loads add the others' in-flight counts
-  as of their last heartbeat (every ``heartbeat_s``) plus one per decision of theirs
-  delivered since, as ``StateStore.peer_load`` does.
+  trip and the reader's wake-up); so does each replica's load per worker whenever it
+  changes (requests in flight, those waiting for a first byte, their uncached tokens),
+  which the others add to their own, as ``kvroute.fleet.shared.loads`` publishes and
+  applies it. Heartbeats (``heartbeat_s``) only expire a crashed router's load there:
+  no replica crashes here, so they change nothing.
 
 Work (``kvroute.routing.load``): each replica keeps its own ``LoadModel``, shared with
 its policy (``min_ttft``, ``cache_aware`` on the work metric), and reserves each routed
@@ -124,8 +126,10 @@ class RouterTier:
         self.heartbeat_s = heartbeat_s
         # Published decisions in flight to the store: (visible at, publisher, worker, digests).
         self._wire: deque[tuple[float, int, str, bytes]] = deque()
+        # Published load, whenever it changes: (visible at, publisher, worker, (its
+        # requests in flight there, those waiting for a first byte, their uncached tokens)).
+        self._work_wire: deque[tuple[float, int, str, tuple[int, int, int]]] = deque()
         self._now = 0.0
-        self._next_beat = 0.0
         if self.shared:
             self.indexes = [DigestIndex(max_tree_size) for _ in range(replicas)]
             for k, ix in enumerate(self.indexes):
@@ -136,13 +140,24 @@ class RouterTier:
         self.peer: list[dict[str, int]] = [dict.fromkeys(self.names, 0) for _ in self.policies]
         self.loads: list[dict[str, int]] = [dict.fromkeys(self.names, 0) for _ in self.policies]
         self.others: list[dict[str, int]] = [dict.fromkeys(self.names, 0) for _ in self.policies]
+        # Per replica, the others' requests waiting for a first byte and their prefill
+        # tokens per worker (summed), and each other's last published values.
+        self.peer_pending = [dict.fromkeys(self.names, 0) for _ in self.policies]
+        self.peer_prefill = [dict.fromkeys(self.names, 0) for _ in self.policies]
+        self._heard: list[dict[tuple[int, str], tuple[int, int, int]]] = [{} for _ in self.policies]
         self.learner = learner
         self.work = [LoadModel() for _ in self.policies]
         for pol, model in zip(self.policies, self.work, strict=True):
             if learner is not None:
                 model.capacities = learner.capacities
             model.fixed_capacity = getattr(pol, "worker_capacity", None)
-            model.others = self.others[self.policies.index(pol)]
+            k = self.policies.index(pol)
+            model.others = self.others[k]
+            if self.shared:  # as serve does with its StateStore
+                model.peer = self.peer[k]
+                model.peer_pending = self.peer_pending[k]
+                model.peer_prefill = self.peer_prefill[k]
+                model.on_change = self._work_publisher(k)
             if getattr(pol, "work", None) is not None:
                 pol.work = model  # type: ignore[attr-defined]
             for w in self.names:
@@ -168,21 +183,33 @@ class RouterTier:
 
         return publish
 
+    def _work_publisher(self, k: int) -> Callable[[str], None]:
+        def publish(worker: str) -> None:
+            st = self.work[k].state(worker)
+            at = self._now + self.store_delay_s
+            load = (st.requests, len(st.pending), st.prefill_tokens)
+            self._work_wire.append((at, k, worker, load))
+
+        return publish
+
     def _sync(self, now: float) -> None:
-        """Deliver the decisions visible by ``now``; take the heartbeats due."""
+        """Deliver the decisions and the load changes visible by ``now``."""
         wire = self._wire
         while wire and wire[0][0] <= now:
             _, k, worker, digests = wire.popleft()
             for j, ix in enumerate(self.indexes):
                 if j != k:
                     ix.insert_digests(worker, digests)
-                    self.peer[j][worker] += 1  # until the next heartbeat says better
-        if now >= self._next_beat and len(self.policies) > 1:
-            total = {w: sum(loads[w] for loads in self.loads) for w in self.names}
-            for loads, peer in zip(self.loads, self.peer, strict=True):
-                for w in self.names:
-                    peer[w] = total[w] - loads[w]
-            self._next_beat = now + self.heartbeat_s
+        work = self._work_wire
+        while work and work[0][0] <= now:
+            _, k, worker, load = work.popleft()
+            for j, heard in enumerate(self._heard):
+                if j != k:
+                    was = heard.get((k, worker), (0, 0, 0))
+                    heard[k, worker] = load
+                    self.peer[j][worker] += load[0] - was[0]
+                    self.peer_pending[j][worker] += load[1] - was[1]
+                    self.peer_prefill[j][worker] += load[2] - was[2]
 
     def route(self, r: int, request: RouteRequest, now: float = 0.0, output_len: int = 1) -> str:
         """The next replica in turn routes request ``r`` and reserves its load and its
@@ -215,6 +242,7 @@ class RouterTier:
         """Request ``r``'s first token came out (its prefill work is done)."""
         opened = self._open.get(r)
         if opened is not None:
+            self._now = now
             opened[2].first_byte(now)
 
     def done(self, r: int, now: float = 0.0, output_tokens: int | None = None) -> None:
@@ -223,6 +251,7 @@ class RouterTier:
         if opened is None:
             return
         k, decision, ticket = opened
+        self._now = now
         ticket.end(now, output_tokens)
         self.loads[k][decision.worker] -= 1
         if decision.ticket is not None:

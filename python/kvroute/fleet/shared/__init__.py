@@ -9,23 +9,26 @@ router knows alone:
   (``DigestIndex``), so a peer's decision lands in the very tree a local one does, under
   the same per-worker budget: a prefix routed by router A is matched by router B, and
   every router evicts the same way. No prompt text or token ID leaves the router.
-* **Load** (``store.StateStore.peer_load``): each router rewrites its in-flight count
-  per worker into a hash with a TTL every heartbeat, and sums the other live routers';
-  between heartbeats each decision read off the stream counts one more on its worker.
-  The registry adds it to its own counts (``Registry.peer_load``), so balance decisions
-  and the saturation guard see the fleet's load; a crashed router's load expires with
-  its hash. Any other load model can read the same mapping (worker URL -> requests
-  other routers have in flight there).
+* **Load** (``loads``, ``store.StateStore.peer_load``): each router publishes its
+  load per worker on the stream whenever it changes (requests in flight, those waiting
+  for a first byte, their uncached tokens) and adds the others' to its own: the
+  registry's counts (``Registry.peer_load``: balance decisions, saturation guard) and
+  the work model's queue (``LoadModel.peer``, ``peer_pending``, ``peer_prefill``), so
+  each router balances and predicts on the fleet's load. Heartbeats (a hash with a TTL
+  per router) expire a crashed router's load.
 * **Membership**: workers added or removed through the admin API are written to a
   shared hash and announced on the stream; every router applies them. Routers announce
-  themselves with the same heartbeat, and ``/status`` and ``/workers`` show the live ones.
+  themselves with the same heartbeat, and ``/status``, ``/routers`` and ``/workers``
+  (a header; ``?include=routers``) show the live ones.
 
-``wire`` documents the keys; ``store`` the failure semantics and why a stream; ``members``
-how the worker list is kept in step; ``heartbeat`` the load and live-router records.
+``wire`` documents the keys; ``store`` the failure semantics and why a stream;
+``applying`` what a peer's entry does here; ``members`` how the worker list is kept in
+step; ``heartbeat`` the load and live-router records; ``loads`` the load shared as it changes.
 """
 
+from kvroute.fleet.shared.applying import StoreCounters
 from kvroute.fleet.shared.digests import BLOCK_SIZE, DigestIndex, block_digests
-from kvroute.fleet.shared.store import StateStore, StoreCounters
+from kvroute.fleet.shared.store import StateStore
 from kvroute.fleet.shared.wire import StoreURL
 
 __all__ = [

@@ -20,9 +20,9 @@ import kvroute.fleet.shared.wire as wire
 
 async def heartbeat(
     client: aioredis.Redis, router_id: str, info: bytes, mine: Mapping[str, int], ttl_ms: int
-) -> tuple[dict[str, dict[str, Any]], dict[str, int]]:
-    """Write this router's beat; return (live routers by id, the others' in-flight
-    requests summed per worker)."""
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, int]]]:
+    """Write this router's beat; return (live routers by id, each other router's
+    in-flight requests per worker, by id)."""
     key = wire.ROUTER + router_id
     fields: dict[Any, Any] = {"info": info}  # redis-py types its keys invariantly
     for url, n in mine.items():
@@ -38,7 +38,7 @@ async def heartbeat(
         pipe.hgetall(k)
     rows = await pipe.execute()
     routers: dict[str, dict[str, Any]] = {}
-    load: dict[str, int] = {}
+    load: dict[str, dict[str, int]] = {}
     for k, row in zip(keys, rows, strict=True):
         if not row:
             continue  # expired between SCAN and HGETALL
@@ -49,8 +49,8 @@ async def heartbeat(
             routers[rid] = {"id": rid}
         if rid == router_id:
             continue
+        mine = load[rid] = {}
         for f, v in row.items():
             if f.startswith(b"l:") and v.isdigit():
-                url = f[2:].decode()
-                load[url] = load.get(url, 0) + int(v)
+                mine[f[2:].decode()] = int(v)
     return routers, load

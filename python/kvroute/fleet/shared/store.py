@@ -31,7 +31,6 @@ import logging
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -40,11 +39,13 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 import kvroute.fleet.shared.wire as wire
-from kvroute.config import ConfigError, normalize_worker_url
 from kvroute.fleet.registry import Registry
+from kvroute.fleet.shared.applying import Applier, StoreCounters
 from kvroute.fleet.shared.digests import DigestIndex
 from kvroute.fleet.shared.heartbeat import heartbeat
+from kvroute.fleet.shared.loads import SharedLoad
 from kvroute.fleet.shared.members import Membership
+from kvroute.routing.load import LoadModel
 
 log = logging.getLogger("kvroute.fleet.shared")
 
@@ -54,29 +55,17 @@ READ_BLOCK_MS = 500
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.1, 5.0
 
 
-@dataclass
-class StoreCounters:
-    published: int = 0
-    applied: dict[str, int] = field(
-        default_factory=lambda: {"insert": 0, "added": 0, "removed": 0, "cleared": 0}
-    )
-    dropped: int = 0
-    malformed: int = 0
-    errors: int = 0
-    gaps: int = 0
-    connects: int = 0
-    lag_s: float = 0.0  # publish -> apply, of the last peer entry applied
-
-
-class StateStore:
+class StateStore(Applier):
     """This router's view of the shared state; ``peer_load`` is its main output.
 
     ``peer_load``: per worker, the requests other live routers have in flight on it
-    (summed; a router whose heartbeat expired counts for nothing), as of their last
-    heartbeats, plus one for each decision a peer published since (read off the stream
-    a few ms after it was made, so a burst is seen before the next heartbeat). The dict
-    is updated in place, so holders of a reference (``Registry.peer_load``, a load model)
-    always read the current value. ``routers``: the live routers (this one included), id -> info.
+    (summed; a router whose heartbeat expired counts for nothing). With ``work`` (the
+    router's load model) each router publishes its load as it changes and the others
+    read it off the stream a few ms later (``loads``: in flight, and the queued
+    prefill the load model also reads); without, as of their last heartbeats plus one
+    for each decision a peer published since. The dict is updated in place, so holders
+    of a reference (``Registry.peer_load``, a load model) always read the current value.
+    ``routers``: the live routers (this one included), id -> info.
     """
 
     def __init__(
@@ -90,6 +79,7 @@ class StateStore:
         heartbeat_s: float = 0.5,
         stream_len: int = 2000,
         buffer_len: int = 10_000,
+        work: LoadModel | None = None,
     ) -> None:
         self.url = url
         self.registry = registry
@@ -115,6 +105,10 @@ class StateStore:
         self._client: aioredis.Redis | None = None
         if index is not None:
             index.on_insert = self.publish_insert
+        # The work model's load and queued prefill, shared both ways (``loads``).
+        self.shared_load = None
+        if work is not None:
+            self.shared_load = SharedLoad(work, self._wake.set, self.peer_load)
 
     # ------------------------------------------------------------- request path
 
@@ -186,6 +180,8 @@ class StateStore:
                 self.connected = False
                 self.peer_load.clear()
                 self.routers.clear()
+                if self.shared_load is not None:
+                    self.shared_load.clear()
                 if self._client is not None:  # pooled sockets to a dead server: drop them
                     with contextlib.suppress(Exception):
                         await self._client.connection_pool.disconnect()
@@ -197,6 +193,8 @@ class StateStore:
         assert client is not None
         await client.ping()
         await self._catch_up(client)
+        if self.shared_load is not None:
+            self.shared_load.resend_all()
         self.connected = True
         self.counters.connects += 1
         log.info("state store %s connected (router id %s)", self.url.redacted, self.id)
@@ -225,22 +223,21 @@ class StateStore:
 
     async def _publish_loop(self, client: aioredis.Redis) -> None:
         while True:
-            if not self._buf and not self.members.pending:
+            shared = self.shared_load
+            if not self._buf and not self.members.pending and not (shared and shared.dirty):
                 self._wake.clear()
                 await self._wake.wait()
             await self.members.flush(client, self._rid, self.stream_len)
             n = min(len(self._buf), BATCH)
-            if not n:
+            queued = shared.take() if shared is not None and shared.dirty else b""
+            if not n and not queued:
                 continue
             batch = [self._buf.popleft() for _ in range(n)]
             pipe = client.pipeline(transaction=False)
-            for i in range(0, n, wire.PER_ENTRY):
-                pipe.xadd(
-                    wire.STREAM,
-                    wire.insert_entry(self._rid, batch[i : i + wire.PER_ENTRY]),  # type: ignore[arg-type]
-                    maxlen=self.stream_len,
-                    approximate=True,
-                )
+            for i in range(0, max(n, 1), wire.PER_ENTRY):
+                entry = wire.insert_entry(self._rid, batch[i : i + wire.PER_ENTRY], queued)
+                queued = b""  # rides with the first entry
+                pipe.xadd(wire.STREAM, entry, maxlen=self.stream_len, approximate=True)  # type: ignore[arg-type]
             try:
                 await pipe.execute()
             except Exception:
@@ -266,55 +263,16 @@ class StateStore:
     async def _beat(self, client: aioredis.Redis) -> None:
         mine = {url: w.in_flight for url, w in self.registry.workers.items() if w.in_flight > 0}
         routers, load = await heartbeat(client, self.id, self.info, mine, self.ttl_ms)
-        self.peer_load.clear()
-        self.peer_load.update(load)
         self.routers = routers
-
-    # ------------------------------------------------------------- applying
-
-    def _apply(self, fields: dict[bytes, bytes]) -> None:
-        if fields.get(b"r") == self._rid:
-            return  # our own entry: applied when it was decided
-        kind = fields.get(b"k")
-        if kind == wire.INSERT:
-            t = fields.get(b"t", b"")
-            lag_ms = max(wire.now_ms() - int(t), 0) if t.isdigit() else self.ttl_ms
-            self.counters.lag_s = lag_ms / 1000
-            try:
-                for url, digests in wire.unpack_inserts(fields.get(b"b", b"")):
-                    self._apply_insert(url, digests, recent=lag_ms < self.ttl_ms)
-            except ValueError:
-                self.counters.malformed += 1
+        if self.shared_load is not None:  # load as published when it changed (``loads``)
+            self.shared_load.keep({rid.encode() for rid in routers})
+            for rid, theirs in load.items():
+                self.shared_load.beat(rid.encode(), theirs)
             return
-        if kind == wire.CLEARED:
-            if self.index is not None:
-                self.index.clear()
-            self.counters.applied["cleared"] += 1
-            return
-        worker = self._worker(fields.get(b"w", b""))
-        if worker is not None and kind in (wire.ADDED, wire.REMOVED):
-            self.members.apply(kind, worker)
-        else:
-            self.counters.malformed += 1
-
-    def _worker(self, raw: bytes) -> str | None:
-        """A worker URL from the stream, validated (None if it is not one)."""
-        try:
-            return normalize_worker_url(raw.decode())
-        except (UnicodeDecodeError, ConfigError):
-            return None
-
-    def _apply_insert(self, raw: bytes, digests: bytes, *, recent: bool) -> None:
-        worker = raw.decode(errors="replace")
-        if worker not in self.registry.workers:
-            return  # not (or no longer) in this router's fleet: nothing to predict
-        if self.index is not None:
-            self.index.insert_digests(worker, digests)
-        self.counters.applied["insert"] += 1
-        if recent:
-            # A request the peer just sent there: count it until its next heartbeat
-            # reports the peer's exact load (which replaces this estimate).
-            self.peer_load[worker] = self.peer_load.get(worker, 0) + 1
+        self.peer_load.clear()
+        for theirs in load.values():
+            for url, n in theirs.items():
+                self.peer_load[url] = self.peer_load.get(url, 0) + n
 
 
 def _describe(e: BaseException) -> str:

@@ -9,7 +9,10 @@ Keys (all under ``kvroute:``; one fleet per Redis database, chosen by the URL's 
     routing decisions packed in ``b`` (``pack_inserts``: per decision the worker URL and
     the prompt's block digests as little-endian u64s), one entry for many decisions
     because each Redis command costs the publisher and every reader tens of µs of
-    Python. Kinds ``a`` / ``d``: worker ``w`` added / removed; ``c``: the workers' caches
+    Python. Field ``p`` (with kind ``i``, or alone with kind ``p``): the publisher's
+    load per worker that changed since its last entry (``loads.pack``: requests in
+    flight, those waiting for a first byte, their uncached tokens). Kinds ``a`` / ``d``:
+    worker ``w`` added / removed; ``c``: the workers' caches
     were flushed (``POST /flush_cache``), every router clears its index.
 ``kvroute:workers``
     A hash, worker URL -> ``1``: the fleet as the admin API last left it.
@@ -35,7 +38,7 @@ WORKERS = PREFIX + "workers"
 ROUTER = PREFIX + "router:"
 LOAD_FIELD = "l:"
 
-INSERT, ADDED, REMOVED, CLEARED = b"i", b"a", b"d", b"c"
+INSERT, ADDED, REMOVED, CLEARED, LOAD = b"i", b"a", b"d", b"c", b"p"
 
 
 def now_ms() -> int:
@@ -72,9 +75,16 @@ def unpack_inserts(blob: bytes) -> Iterator[tuple[bytes, bytes]]:
         at += n_url + n_dig
 
 
-def insert_entry(router: bytes, decisions: Sequence[tuple[str, bytes]]) -> dict[bytes, bytes]:
+def insert_entry(
+    router: bytes, decisions: Sequence[tuple[str, bytes]], load: bytes = b""
+) -> dict[bytes, bytes]:
     t = b"%d" % now_ms()
-    return {b"r": router, b"k": INSERT, b"b": pack_inserts(decisions), b"t": t}
+    entry = {b"r": router, b"k": INSERT if decisions else LOAD, b"t": t}
+    if decisions:
+        entry[b"b"] = pack_inserts(decisions)
+    if load:
+        entry[b"p"] = load
+    return entry
 
 
 def member_entry(router: bytes, kind: bytes, worker: str) -> dict[bytes, bytes]:

@@ -20,6 +20,12 @@ What is counted, per worker
       ``kv_cache_usage_perc``, SGLang's running/queued counts): requests beyond ours
       count for the slot term below, and waiting ones beyond ours count as that many
       requests of the mean uncached size of ours.
+    * **other router replicas'** (``--state-store``, ``kvroute.fleet.shared``): their
+      requests in flight (``peer``: slots), and their queued prefill, shared as it
+      changes (``peer_pending`` requests waiting for a first byte, ``peer_prefill``
+      their uncached tokens): added to the queue ahead exactly as ours, and not counted
+      again among an engine's waiting requests. ``on_change`` tells the store each time
+      one of our requests is reserved, has its first byte or ends.
 
 Learned speed, per worker (so a heterogeneous fleet is told apart)
     * prefill: time to first byte = ``overhead + uncached tokens / rate``, a line fitted

@@ -28,6 +28,7 @@ class EngineReading:
     kv_usage: float | None = None
     own: int = 0  # our requests in flight at the reading
     own_pending: int = 0  # ours without a first byte yet
+    peer_pending: int = 0  # other routers' without a first byte, when shared (--state-store)
 
 
 @dataclass(slots=True, eq=False)
@@ -96,11 +97,14 @@ class Ticket:
         self.expected_out = expected_out
         self.started = now
         self.ahead = model.ahead(worker)
-        # A free slot and no one else's requests waiting: from the moment its prefill
-        # starts, its first byte times its own prefill alone.
-        self.clean = model.slot_wait(worker) == 0.0
+        # A free slot and no one else's requests waiting (neither an engine's unknown
+        # ones nor other routers' shared ones): from the moment its prefill starts, its
+        # first byte times its own prefill alone.
+        self.clean = model.slot_wait(worker) == 0.0 and not (model.peer_pending or {}).get(
+            worker, 0
+        )
         e = state.engine
-        if e is not None and e.waiting > e.own_pending:
+        if e is not None and e.waiting > e.own_pending + e.peer_pending:
             self.clean = False
         # Nothing of ours ahead of it either: it starts at once.
         self.alone = self.clean and not state.pending
@@ -126,6 +130,7 @@ class Ticket:
         oldest = next(iter(st.pending), None) == self.id
         if st.pending.pop(self.id, None) is not None:
             st.prefill_tokens -= self.uncached
+            self._model.changed(self.worker)
         elapsed = now - self.started
         previous, ahead_id = st.last_first, st.last_first_id
         st.last_first, st.last_first_id = (now if learn else None), self.id
@@ -159,6 +164,7 @@ class Ticket:
             st.prefill_tokens -= self.uncached
         st.requests -= 1
         st.decode_tokens -= self.expected_out
+        self._model.changed(self.worker)
         if self.sample is not None:
             # Learned at the end, when the engine may have said what it really had
             # cached: a cache the index wrongly predicted must not pass for a slow worker.
@@ -184,10 +190,15 @@ class LoadModel:
         self.fixed_capacity: int | None = None
         self.capacities: Mapping[str, int] = {}
         self.others: Mapping[str, int] = {}
-        # Other router replicas' requests in flight per worker (``--state-store``). Their
-        # split between prefill and decode is not shared, so each counts as a queued
-        # prefill of our mean uncached size (an upper bound) and as a taken slot.
+        # Other router replicas' requests in flight per worker (``--state-store``): each
+        # takes a slot; unless their queued prefill is shared (``peer_pending``), each
+        # also counts as a queued prefill of our mean uncached size (an upper bound).
         self.peer: Mapping[str, int] = {}
+        # When the store shares them: other routers' requests still waiting for their
+        # first byte per worker, and their uncached prompt tokens (replaces the guess above).
+        # None: not shared, the guess above stands.
+        self.peer_pending: Mapping[str, int] | None = None
+        self.peer_prefill: Mapping[str, int] = {}
         self.mean_output = PRIOR_OUTPUT_TOKENS
         self.mean_uncached = 0.0
         # (intercept, slope) of the fleet's typical worker: the median of the learned
@@ -195,6 +206,10 @@ class LoadModel:
         self.fleet_line: tuple[float, float] | None = None
         # Called with (worker, predicted TTFT, observed TTFT) at each learned first byte.
         self.on_observe: Callable[[str, float, float], None] | None = None
+        # Called with the worker whenever a request is reserved there, has its first
+        # byte or ends: its requests and queued prefill changed (``--state-store``
+        # shares them).
+        self.on_change: Callable[[str], None] | None = None
         self._ids = 0
 
     # ----------------------------------------------------------------- bookkeeping
@@ -239,15 +254,23 @@ class LoadModel:
         st.prefill_tokens += expect
         st.requests += 1
         st.decode_tokens += expected_out
+        self.changed(worker)
         self.mean_uncached += OUTPUT_EWMA * (uncached - self.mean_uncached)
         return t
+
+    def changed(self, worker: str) -> None:
+        if self.on_change is not None:
+            self.on_change(worker)
 
     def observe_engine(
         self, worker: str, running: int, waiting: int, kv_usage: float | None = None
     ) -> None:
         """An engine's own reading (after a health check in ``serve``, a poll in the sim)."""
         st = self.state(worker)
-        st.engine = EngineReading(running, waiting, kv_usage, st.requests, len(st.pending))
+        peers = (self.peer_pending or {}).get(worker, 0)
+        st.engine = EngineReading(
+            running, waiting, kv_usage, st.requests, len(st.pending), peer_pending=peers
+        )
 
     def relearn_fleet(self) -> None:
         """The fleet line: the median intercept and slope of the workers that learned."""
@@ -287,12 +310,16 @@ class LoadModel:
             work -= next(iter(st.pending.values())) / 2
             count -= 0.5
         e = st.engine
-        if e is not None and e.waiting > e.own_pending:
-            others = e.waiting - e.own_pending
+        if e is not None and e.waiting > e.own_pending + e.peer_pending:
+            # Waiting requests nobody shared (bypass traffic, routers without a store).
+            others = e.waiting - e.own_pending - e.peer_pending
             work += others * self.mean_uncached
             count += others
         peers = self.peer.get(worker, 0)
-        if peers:
+        if self.peer_pending is not None:  # shared: their queued prefill exactly
+            work += self.peer_prefill.get(worker, 0)
+            count += self.peer_pending.get(worker, 0)
+        elif peers:
             # Their size is not shared: the larger of our running mean and this one.
             work += peers * max(self.mean_uncached, size_hint)
             count += peers

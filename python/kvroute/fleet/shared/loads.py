@@ -1,0 +1,162 @@
+"""The routers' load per worker, shared through the store as it changes (``--state-store``).
+
+Why: the work model (``kvroute.routing.load``) predicts a request's time to first token
+from the prefill queued on each worker, and the balance rule and the saturation guard
+count requests in flight. A router knows its own exactly. Heartbeats give the others'
+in-flight counts every 0.5 s, late: a request that ended since still counts (the guard
+then moves requests off their cache for nothing), and they do not say which requests
+still wait for a first byte nor how long their prompts are (with long answers most are
+decoding; counting each as a queued prefill of average size makes a busy worker look
+far worse than it is, ignoring them makes it look idle). Measured with three replicas on
+the llm-d shape (``bench/sim_shared_state.py``), both cost TTFT and hit rate against one
+router.
+
+What is shared: for each worker, this router's requests in flight there, how many of
+them wait for their first byte, and their predicted uncached tokens, as absolute
+values. The load model calls ``changed`` whenever one of its requests is reserved, has
+its first byte or ends (``LoadModel.on_change``); the worker is marked dirty and the
+store's publish task sends the current values of the dirty workers with its next stream
+entry (``pack``), so a burst of changes costs one record per worker, and a decision and
+its reservation usually ride in one entry. Absolute values rather than deltas: a lost or
+repeated entry cannot make the sums drift, and after a reconnect the publisher resends
+everything (``resend_all``).
+
+Every router keeps the others' last values per (router, worker) and their sums
+(``flight``: the store's ``peer_load``; ``pending``, ``tokens``: the load model's
+``peer_pending``, ``peer_prefill``). A router whose heartbeat expired is dropped
+(``keep``); with Redis gone, everything is forgotten (``clear``) and each router
+balances and predicts on its own.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Collection, Iterator
+
+from kvroute.routing.load import LoadModel
+
+_REC = struct.Struct("<HIII")  # URL length, in flight, waiting for a first byte, tokens
+_MAX = 0xFFFFFFFF
+
+
+def pack(values: list[tuple[str, int, int, int]]) -> bytes:
+    parts: list[bytes] = []
+    for url, flight, n, tokens in values:
+        raw = url.encode()
+        clamp = (min(max(0, v), _MAX) for v in (flight, n, tokens))
+        parts += (_REC.pack(len(raw), *clamp), raw)
+    return b"".join(parts)
+
+
+def unpack(blob: bytes) -> Iterator[tuple[str, int, int, int]]:
+    """The records of ``pack``; raises ValueError on a truncated blob."""
+    view = memoryview(blob)
+    at, end = 0, len(blob)
+    while at < end:
+        if at + _REC.size > end:
+            raise ValueError("truncated load record")
+        n_url, flight, n, tokens = _REC.unpack_from(view, at)
+        at += _REC.size
+        if at + n_url > end:
+            raise ValueError("truncated load record")
+        yield bytes(view[at : at + n_url]).decode(errors="replace"), flight, n, tokens
+        at += n_url
+
+
+class SharedLoad:
+    """This router's load to publish, and the other routers' to balance and predict on.
+
+    ``flight`` may be given (the store's ``peer_load``, which other holders reference);
+    it is updated in place."""
+
+    def __init__(
+        self, model: LoadModel, wake: Callable[[], None], flight: dict[str, int] | None = None
+    ) -> None:
+        self.model = model
+        self.flight: dict[str, int] = {} if flight is None else flight
+        self.pending: dict[str, int] = {}  # worker -> the others' requests waiting, summed
+        self.tokens: dict[str, int] = {}  # worker -> their uncached tokens, summed
+        self._heard: dict[bytes, dict[str, tuple[int, int, int]]] = {}
+        self._from_beat: set[bytes] = set()  # routers known only from their heartbeat
+        self._dirty: set[str] = set()
+        self._wake = wake
+        model.peer = self.flight
+        model.peer_pending = self.pending
+        model.peer_prefill = self.tokens
+        model.on_change = self.changed
+
+    # ----------------------------------------------------------- publishing
+
+    def changed(self, worker: str) -> None:
+        """A request on ``worker`` was reserved, had its first byte or ended (O(1))."""
+        if not self._dirty:
+            self._wake()
+        self._dirty.add(worker)
+
+    @property
+    def dirty(self) -> bool:
+        return bool(self._dirty)
+
+    def resend_all(self) -> None:
+        """After (re)connecting: the peers may have missed changes, send every value."""
+        self._dirty.update(self.model.workers)
+
+    def take(self) -> bytes:
+        """The current values of the workers changed since the last call, packed."""
+        values = []
+        for url in self._dirty:
+            st = self.model.workers.get(url)
+            if st is None:
+                values.append((url, 0, 0, 0))
+            else:
+                values.append((url, st.requests, len(st.pending), st.prefill_tokens))
+        self._dirty.clear()
+        return pack(values)
+
+    # ----------------------------------------------------------- applying
+
+    def apply(self, router: bytes, blob: bytes) -> None:
+        """Another router's values (raises ValueError on a malformed blob)."""
+        self._from_beat.discard(router)
+        self._set(router, [(url, (f, n, t)) for url, f, n, t in unpack(blob)])
+
+    def beat(self, router: bytes, flight: dict[str, int]) -> None:
+        """A live router's heartbeat (its in flight per worker): counted only until it
+        publishes its load (a router whose last records left the stream before this
+        one started, or one without a load model)."""
+        if router in self._heard and router not in self._from_beat:
+            return
+        self._from_beat.add(router)
+        known = self._heard.get(router, {})
+        values = {url: (0, 0, 0) for url in known}
+        values.update((url, (n, 0, 0)) for url, n in flight.items())
+        self._set(router, list(values.items()))
+
+    def _set(self, router: bytes, values: list[tuple[str, tuple[int, int, int]]]) -> None:
+        heard = self._heard.setdefault(router, {})
+        for url, now in values:
+            was = heard.get(url, (0, 0, 0))
+            heard[url] = now
+            self._add(url, now[0] - was[0], now[1] - was[1], now[2] - was[2])
+
+    def keep(self, live: Collection[bytes]) -> None:
+        """Forget the routers not in ``live`` (their heartbeat expired)."""
+        for router in [r for r in self._heard if r not in live]:
+            self._from_beat.discard(router)
+            for url, (flight, n, tokens) in self._heard.pop(router).items():
+                self._add(url, -flight, -n, -tokens)
+
+    def clear(self) -> None:
+        self._heard.clear()
+        self._from_beat.clear()
+        self.flight.clear()
+        self.pending.clear()
+        self.tokens.clear()
+
+    def _add(self, url: str, flight: int, n: int, tokens: int) -> None:
+        for sums, v in ((self.flight, flight), (self.pending, n), (self.tokens, tokens)):
+            total = sums.get(url, 0) + v
+            if total:
+                sums[url] = total
+            else:
+                sums.pop(url, None)
