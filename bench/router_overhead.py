@@ -20,7 +20,7 @@ and answers a fixed chat completion) receive the same load five ways:
 * ``kv_rr_log``   ``kv_rr`` at ``--log-level info``: with the access log (one line per
                   request, to the router's log file); every other kvroute target runs at
                   ``warning``, without it
-* ``base_cache``, ``base_rr``  optional: the kvroute of ``--baseline-python`` (an
+* ``base_cache``, ``base_rr``, ``base_bytes``  optional: the kvroute of ``--baseline-python`` (an
                   earlier build in another virtual environment), to measure a change
                   against its baseline in the same run
 
@@ -414,7 +414,10 @@ def pct(xs: list[float], q: float) -> float:
 
 # kvroute targets; base_* run the kvroute installed for --baseline-python (an earlier
 # build), so a change is measured against its baseline in the same run.
-KVROUTE_TARGETS = ("kv_cache", "kv_rr", "kv_rr_log", "kv_bytes", "base_cache", "base_rr")
+KVROUTE_TARGETS = (
+    *("kv_cache", "kv_rr", "kv_rr_log", "kv_bytes"),
+    *("base_cache", "base_rr", "base_bytes"),
+)
 
 
 def start_targets(
@@ -448,7 +451,7 @@ def start_targets(
                 argv[0] = baseline_python
             level = "info" if name.endswith("_log") else "warning"
             argv += ["--policy", policy, "--log-level", level]
-            if tokenizer and name != "kv_bytes":
+            if tokenizer and not name.endswith("_bytes"):
                 argv += ["--tokenizer", tokenizer]
             return start_server(name, argv, port, log_dir=log_dir, timeout_s=120)
         peer, policy = {"sgl_cache": (SGLANG, "cache_aware"), "vllm_rr": (VLLM, "round_robin")}[
