@@ -362,35 +362,43 @@ class LoadPool:
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-def _stat(pid: int) -> tuple[int, float] | None:
-    """(parent PID, utime+stime in seconds) of ``pid``, or None if it is gone."""
+def _stat(pid: int) -> tuple[int, float, float] | None:
+    """(parent PID, utime, stime in seconds) of ``pid``, or None if it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             data = f.read()
     except OSError:
         return None
     fields = data[data.rindex(")") + 2 :].split()  # after "pid (comm) "
-    return int(fields[1]), (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return int(fields[1]), int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
 
 
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds (user+system, all threads) of ``pid`` and every live descendant."""
+def tree_cpu(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds (all threads) of ``pid`` and every live descendant."""
     parent: dict[int, int] = {}
-    cpu: dict[int, float] = {}
+    cpu: dict[int, tuple[float, float]] = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
             st = _stat(int(name))
             if st is not None:
-                parent[int(name)], cpu[int(name)] = st
-    total, todo = 0.0, [pid]
+                parent[int(name)], user, system = st
+                cpu[int(name)] = (user, system)
+    user = system = 0.0
+    todo = [pid]
     children: dict[int, list[int]] = defaultdict(list)
     for child, ppid in parent.items():
         children[ppid].append(child)
     while todo:
         p = todo.pop()
-        total += cpu.get(p, 0.0)
+        u, s = cpu.get(p, (0.0, 0.0))
+        user, system = user + u, system + s
         todo.extend(children.get(p, []))
-    return total
+    return user, system
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user+system, all threads) of ``pid`` and every live descendant."""
+    return sum(tree_cpu(pid))
 
 
 # --------------------------------------------------------------------------- orchestration
@@ -403,6 +411,7 @@ class Cell:
     requests: int = 0
     errors: int = 0
     router_cpu_s: float = 0.0
+    router_sys_s: float = 0.0  # the kernel's part of router_cpu_s
     client_cpu_s: float = 0.0
     clients: int = 1
 
@@ -691,15 +700,16 @@ def main() -> int:
                 for name in names[k:] + names[:k]:
                     srv = targets[name]
                     watch = srv.pid if name != "direct" else None
-                    cpu0 = tree_cpu_s(watch) if watch else 0.0
+                    user0, sys0 = tree_cpu(watch) if watch else (0.0, 0.0)
                     res, client_cpu = pool.run(srv.url, r, n, conc)
-                    cpu1 = tree_cpu_s(watch) if watch else 0.0
+                    user1, sys1 = tree_cpu(watch) if watch else (0.0, 0.0)
                     c = cells[(name, conc)]
                     c.latencies.extend(res.latencies)
                     c.wall_s += res.last_end - res.first_start
                     c.requests += len(res.latencies)
                     c.errors += len(res.latencies) - res.statuses.get(200, 0)
-                    c.router_cpu_s += cpu1 - cpu0
+                    c.router_cpu_s += user1 + sys1 - user0 - sys0
+                    c.router_sys_s += sys1 - sys0
                     c.client_cpu_s += max(client_cpu)
                     c.clients = len(client_cpu)
                     log(f"round {r} {name} x{conc}: {n / (res.last_end - res.first_start):.0f}/s")
@@ -719,9 +729,9 @@ def main() -> int:
         )
         print(
             "| target | conns | req/s | p50 ms | p99 ms | +p50 ms | +p99 ms "
-            "| router CPU µs/req | router cores | busiest client CPU % | errors |"
+            "| router CPU µs/req | of it kernel % | router cores | busiest client CPU % | errors |"
         )
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for conc in args.concurrency:
             base = cells.get(("direct", conc))
             for name in names:
@@ -733,13 +743,14 @@ def main() -> int:
                 else:
                     d50 = d99 = "–"
                 if name == "direct":
-                    cpu = cores = "–"
+                    cpu = cores = kernel = "–"
                 else:
                     cpu = f"{1e6 * c.router_cpu_s / c.requests:.0f}"
+                    kernel = f"{100 * c.router_sys_s / max(c.router_cpu_s, 1e-9):.0f}"
                     cores = f"{c.router_cpu_s / c.wall_s:.2f}"
                 print(
                     f"| {name} | {conc} | {c.requests / c.wall_s:.0f} | {p50:.1f} | {p99:.1f} "
-                    f"| {d50} | {d99} | {cpu} | {cores} "
+                    f"| {d50} | {d99} | {cpu} | {kernel} | {cores} "
                     f"| {100 * c.client_cpu_s / c.wall_s:.0f} | {c.errors} |"
                 )
         order = [args.profile_target] if args.profile_target else ["kv_cache", "kv_rr"]

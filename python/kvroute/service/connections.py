@@ -53,7 +53,7 @@ REQUEST_TIMEOUT = _response(b"408 Request Timeout", b"request not received in ti
 class _HeadHoldingTransport:
     """The connection's transport, holding a response head until the next write."""
 
-    __slots__ = ("_transport", "_loop", "_held")
+    __slots__ = ("_held", "_loop", "_transport")
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
         self._transport = transport
@@ -111,22 +111,53 @@ def guarded_protocol(
             super().__init__(*args, **kwargs)
             self._in_header = False
             self._header_bytes = 0
-            self._header_timer: asyncio.TimerHandle | None = None
-            self._body_timer: asyncio.TimerHandle | None = None
+            # Deadlines (loop time) behind one timer per connection: a request used to
+            # create and cancel three timers (~2 µs each); now a deadline is a float, and
+            # the timer, when it fires early, re-arms for whatever is still due.
+            self._header_due: float | None = None
+            self._body_due: float | None = None
+            self._timer: asyncio.TimerHandle | None = None
+            self._timer_at = 0.0
             self._refused = False
             self._linger: asyncio.TimerHandle | None = None
 
         # -------------------------------------------------------- timers
 
         def _arm_header_timer(self) -> None:
-            if self._header_timer is None:
-                self._header_timer = self.loop.call_later(header_timeout_s, self._header_late)
+            if self._header_due is None:
+                self._header_due = self.loop.time() + header_timeout_s
+                self._wake_at(self._header_due)
+
+        def _arm_body_timer(self) -> None:
+            self._body_due = self.loop.time() + body_timeout_s
+            self._wake_at(self._body_due)
+
+        def _wake_at(self, due: float) -> None:
+            """Have the timer fire by ``due`` (it may fire earlier: ``_check`` re-arms)."""
+            if self._timer is None or self._timer_at > due:
+                if self._timer is not None:
+                    self._timer.cancel()
+                self._timer = self.loop.call_at(due, self._check)
+                self._timer_at = due
+
+        def _check(self) -> None:
+            self._timer = None
+            now = self.loop.time() + 0.001  # the loop's clock ticks in milliseconds
+            if self._header_due is not None and now >= self._header_due:
+                self._header_due = None
+                self._header_late()
+            elif self._body_due is not None and now >= self._body_due:
+                self._body_due = None
+                self._body_late()
+            else:
+                dues = [d for d in (self._header_due, self._body_due) if d is not None]
+                if dues:
+                    self._wake_at(min(dues))
 
         def _cancel(self) -> None:
-            for timer in (self._header_timer, self._body_timer):
-                if timer is not None:
-                    timer.cancel()
-            self._header_timer = self._body_timer = None
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = self._header_due = self._body_due = None
 
         def _refuse(self, response: bytes | None) -> None:
             """Answer ``response`` (unless a response is under way) and close."""
@@ -154,15 +185,13 @@ def guarded_protocol(
                 self.transport.close()
 
         def _header_late(self) -> None:
-            self._header_timer = None
             self._refuse(REQUEST_TIMEOUT if self._header_bytes else None)
 
         def _body_late(self) -> None:
-            self._body_timer = None
             if self.flow is not None and self.flow.read_paused:
                 # The app has not read what it has (queued for admission): the pause is
                 # the router's, not the client's.
-                self._body_timer = self.loop.call_later(body_timeout_s, self._body_late)
+                self._arm_body_timer()
                 return
             self._refuse(REQUEST_TIMEOUT)
 
@@ -210,30 +239,25 @@ def guarded_protocol(
 
         def on_headers_complete(self) -> None:
             self._in_header = False
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
+            self._header_due = None  # the timer, if it fires, finds nothing due
             if self._refused:
                 return
             super().on_headers_complete()
             lengths = [v for k, v in self.headers if k in (b"content-length", b"transfer-encoding")]
             if any(v.strip() not in (b"0", b"") for v in lengths):
-                self._body_timer = self.loop.call_later(body_timeout_s, self._body_late)
+                self._arm_body_timer()
 
         def on_body(self, body: bytes) -> None:
             if self._refused:
                 return
-            if self._body_timer is not None:
-                self._body_timer.cancel()
-                self._body_timer = self.loop.call_later(body_timeout_s, self._body_late)
+            if self._body_due is not None:  # later only: the timer re-arms when it fires
+                self._body_due = self.loop.time() + body_timeout_s
             super().on_body(body)
 
         def on_message_complete(self) -> None:
             if self._refused:
                 return
-            if self._body_timer is not None:
-                self._body_timer.cancel()
-                self._body_timer = None
+            self._body_due = None
             super().on_message_complete()
 
     return GuardedHttpToolsProtocol
