@@ -605,6 +605,46 @@ def profile_kvroute(pool: LoadPool, name: str, server: Any, seconds: float, conc
     summarize_profile(raw)
 
 
+def count_syscalls(pool: LoadPool, names: list[str], targets: dict[str, Any], n: int) -> None:
+    """System calls per request of each router (``strace -c -f`` on its PID while ``n``
+    requests pass at one connection): a count, unlike CPU time, that a shared machine
+    does not blur. strace slows the router; only the counts are reported."""
+    strace = shutil.which("strace")
+    if strace is None:
+        print("strace not installed (apt-get install strace)", file=sys.stderr)
+        return
+    counts: dict[str, dict[str, float]] = {}
+    for name in names:
+        if name == "direct":
+            continue
+        server = targets[name]
+        out = f"/tmp/router_overhead_strace_{name}.txt"
+        tracer = subprocess.Popen(
+            [strace, "-c", "-f", "-o", out, "-p", str(server.pid)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        time.sleep(1.0)  # let strace attach to every thread
+        res, _ = pool.run(server.url, 20_000, n, 1)
+        tracer.terminate()
+        tracer.wait(timeout=30)
+        calls: dict[str, float] = {}
+        with open(out) as f:
+            for line in f:
+                parts = line.split()
+                # "% time seconds usecs/call calls [errors] syscall"
+                if len(parts) >= 5 and parts[0][0].isdigit() and parts[-1] != "total":
+                    calls[parts[-1]] = int(parts[3]) / max(len(res.latencies), 1)
+        counts[name] = calls
+    shown = sorted({c for calls in counts.values() for c in calls if calls[c] >= 0.05})
+    print(f"\n### System calls per request ({n} requests, 1 connection, strace -c -f)\n")
+    print("| target | " + " | ".join(shown) + " | all |")
+    print("|---|" + "---:|" * (len(shown) + 1))
+    for name, calls in counts.items():
+        cells = " | ".join(f"{calls.get(c, 0.0):.2f}" for c in shown)
+        print(f"| {name} | {cells} | {sum(calls.values()):.2f} |")
+
+
 T0 = time.monotonic()
 
 
@@ -646,6 +686,13 @@ def main() -> int:
         choices=KVROUTE_TARGETS,
         default=None,
         help="the kvroute target --profile samples (default: kv_cache, else kv_rr)",
+    )
+    ap.add_argument(
+        "--syscalls",
+        type=int,
+        default=0,
+        metavar="N",
+        help="afterwards, count each router's system calls per request over N requests",
     )
     ap.add_argument("--log-dir", default="/tmp/router_overhead_logs")
     ap.add_argument("--serve-worker", type=int, default=None, help=argparse.SUPPRESS)
@@ -753,6 +800,8 @@ def main() -> int:
                     f"| {d50} | {d99} | {cpu} | {kernel} | {cores} "
                     f"| {100 * c.client_cpu_s / c.wall_s:.0f} | {c.errors} |"
                 )
+        if args.syscalls > 0:
+            count_syscalls(pool, names, targets, args.syscalls)
         order = [args.profile_target] if args.profile_target else ["kv_cache", "kv_rr"]
         profiled = next((t for t in order if t in targets), None)
         if args.profile > 0 and profiled is not None:

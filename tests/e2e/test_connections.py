@@ -118,6 +118,17 @@ def test_a_kept_alive_connection_gets_a_fresh_header_deadline(router: Server) ->
     assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
 
 
+def test_a_head_request_is_answered_on_a_kept_alive_connection(router: Server) -> None:
+    """A HEAD answer has no body to carry its head: it goes out when the response ends."""
+    with connect(router) as s:
+        s.settimeout(3)
+        s.sendall(b"HEAD /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        answer = s.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 ") and answer.endswith(b"\r\n\r\n"), answer
+        s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")  # the connection still serves
+        assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
+
+
 def test_an_idle_keep_alive_connection_is_closed(router: Server) -> None:
     with connect(router) as s:
         s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
