@@ -38,10 +38,18 @@ which reads ``/proc/PID/stat`` (utime+stime of the router and its descendants, a
 threads) before and after each cell, stays out of the way. Each client reports its own
 CPU time so one can see whether the load generator, not the router, was the limit.
 
+Router CPU is also split into its kernel part (``stime``): system calls and, on
+loopback, the receiving side's TCP work, which the sender pays. ``--syscalls N`` counts
+each router's system calls per request with ``strace -c -f`` (a count: unlike CPU time,
+a shared machine does not blur it).
+
 Usage:
     .venv/bin/python bench/router_overhead.py            # 2-4 minutes on 2 shared cores
     .venv/bin/python bench/router_overhead.py --quick    # ~1 minute
     .venv/bin/python bench/router_overhead.py --profile 15   # + py-spy of kvroute
+    # old build vs this one vs SGLang's router, with system calls per request:
+    .venv/bin/python bench/router_overhead.py --baseline-python OLD_VENV/bin/python
+        --targets direct kv_rr base_rr sgl_cache --syscalls 300
 """
 
 from __future__ import annotations
@@ -679,7 +687,7 @@ def main() -> int:
         "--baseline-python",
         default=None,
         metavar="PYTHON",
-        help="interpreter of another kvroute install, for the base_cache/base_rr targets",
+        help="interpreter of another kvroute install (an earlier build), for the base_* targets",
     )
     ap.add_argument(
         "--profile-target",
