@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvroute.service.connections import _HeadHoldingTransport
+from kvroute.service.connections import COALESCE_MAX, _HeadHoldingTransport
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n"
 
@@ -45,6 +45,15 @@ async def test_head_and_body_leave_in_one_write() -> None:
     t.write(HEAD)  # the next answer on the connection, its body empty
     t.write(b"")
     assert rec.writes == [HEAD + b"ok", HEAD]
+
+
+def test_a_big_body_follows_its_head_in_a_second_write() -> None:
+    rec = Recording()
+    t = _HeadHoldingTransport(rec)  # type: ignore[arg-type]
+    big = b"x" * (COALESCE_MAX + 1)
+    t.write(HEAD)
+    t.write(big)
+    assert rec.writes == [HEAD, big]
 
 
 def test_a_stream_head_goes_out_at_once() -> None:

@@ -22,8 +22,8 @@ parser buffer megabytes of headers. ``guarded_protocol`` subclasses uvicorn's
 It also sends a response's head and the start of its body in one write: uvicorn writes
 the status line and headers as soon as the app starts the response, then the body as a
 second write, so a complete answer cost two ``send`` calls and two TCP segments (on
-loopback the sender also pays the receiver's TCP processing): about a fifth of the
-router's CPU per request in py-spy profiles. ``_HeadHoldingTransport`` keeps the head
+loopback the sender also pays the receiver's TCP processing), where the Rust routers
+send both with one ``writev``. ``_HeadHoldingTransport`` keeps the head
 of an answer whose length is known (``content-length``: its body follows at once, in
 the same ``send`` sequence) until the body's write, the end of the response (a ``HEAD``
 answer writes no body) or the connection's close. Other heads (streams: chunked, their
@@ -52,6 +52,9 @@ LINGER_S = 1.0  # how long a refused connection's late input is read and dropped
 REQUEST_TIMEOUT = _response(b"408 Request Timeout", b"request not received in time")
 
 
+COALESCE_MAX = 256 * 1024  # bodies up to this size are joined to their head
+
+
 class _HeadHoldingTransport:
     """The connection's transport, holding a response head until the next write."""
 
@@ -65,7 +68,11 @@ class _HeadHoldingTransport:
         held = self._held
         if held is not None:
             self._held = None
-            self._transport.write(held + data)
+            if len(data) > COALESCE_MAX:  # a big body: not worth copying to save a call
+                self._transport.write(held)
+                self._transport.write(data)
+            else:
+                self._transport.write(held + data)
         elif data.startswith(b"HTTP/1.1 ") and b"\r\ncontent-length: " in data:
             # The head of an answer of known length (uvicorn writes it alone, with the
             # header names lowercased): its body is the next write.
