@@ -22,7 +22,7 @@ and answers a fixed chat completion) receive the same load five ways:
 * ``kv_rr_log``   ``kv_rr`` at ``--log-level info``: with the access log (one line per
                   request, to the router's log file); every other kvroute target runs at
                   ``warning``, without it
-* ``base_cache``, ``base_rr``  optional: the kvroute of ``--baseline-python`` (an
+* ``base_cache``, ``base_rr``, ``base_bytes``  optional: the kvroute of ``--baseline-python`` (an
                   earlier build in another virtual environment), to measure a change
                   against its baseline in the same run
 
@@ -40,10 +40,18 @@ which reads ``/proc/PID/stat`` (utime+stime of the router and its descendants, a
 threads) before and after each cell, stays out of the way. Each client reports its own
 CPU time so one can see whether the load generator, not the router, was the limit.
 
+Router CPU is also split into its kernel part (``stime``): system calls and, on
+loopback, the receiving side's TCP work, which the sender pays. ``--syscalls N`` counts
+each router's system calls per request with ``strace -c -f`` (a count: unlike CPU time,
+a shared machine does not blur it).
+
 Usage:
     .venv/bin/python bench/router_overhead.py            # 2-4 minutes on 2 shared cores
     .venv/bin/python bench/router_overhead.py --quick    # ~1 minute
     .venv/bin/python bench/router_overhead.py --profile 15   # + py-spy of kvroute
+    # old build vs this one vs SGLang's router, with system calls per request:
+    .venv/bin/python bench/router_overhead.py --baseline-python OLD_VENV/bin/python
+        --targets direct kv_rr base_rr sgl_cache --syscalls 300
 """
 
 from __future__ import annotations
@@ -364,35 +372,43 @@ class LoadPool:
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-def _stat(pid: int) -> tuple[int, float] | None:
-    """(parent PID, utime+stime in seconds) of ``pid``, or None if it is gone."""
+def _stat(pid: int) -> tuple[int, float, float] | None:
+    """(parent PID, utime, stime in seconds) of ``pid``, or None if it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             data = f.read()
     except OSError:
         return None
     fields = data[data.rindex(")") + 2 :].split()  # after "pid (comm) "
-    return int(fields[1]), (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return int(fields[1]), int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
 
 
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds (user+system, all threads) of ``pid`` and every live descendant."""
+def tree_cpu(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds (all threads) of ``pid`` and every live descendant."""
     parent: dict[int, int] = {}
-    cpu: dict[int, float] = {}
+    cpu: dict[int, tuple[float, float]] = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
             st = _stat(int(name))
             if st is not None:
-                parent[int(name)], cpu[int(name)] = st
-    total, todo = 0.0, [pid]
+                parent[int(name)], user, system = st
+                cpu[int(name)] = (user, system)
+    user = system = 0.0
+    todo = [pid]
     children: dict[int, list[int]] = defaultdict(list)
     for child, ppid in parent.items():
         children[ppid].append(child)
     while todo:
         p = todo.pop()
-        total += cpu.get(p, 0.0)
+        u, s = cpu.get(p, (0.0, 0.0))
+        user, system = user + u, system + s
         todo.extend(children.get(p, []))
-    return total
+    return user, system
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user+system, all threads) of ``pid`` and every live descendant."""
+    return sum(tree_cpu(pid))
 
 
 # --------------------------------------------------------------------------- orchestration
@@ -405,6 +421,7 @@ class Cell:
     requests: int = 0
     errors: int = 0
     router_cpu_s: float = 0.0
+    router_sys_s: float = 0.0  # the kernel's part of router_cpu_s
     client_cpu_s: float = 0.0
     clients: int = 1
 
@@ -417,12 +434,8 @@ def pct(xs: list[float], q: float) -> float:
 # kvroute targets; base_* run the kvroute installed for --baseline-python (an earlier
 # build), so a change is measured against its baseline in the same run.
 KVROUTE_TARGETS = (
-    "kv_cache",
-    "kv_rr",
-    "kv_rr_log",
-    "kv_bytes",
-    "base_cache",
-    "base_rr",
+    *("kv_cache", "kv_rr", "kv_rr_log", "kv_bytes"),
+    *("base_cache", "base_rr", "base_bytes"),
     "kv_req",  # kv_cache with --load-metric requests
     "kv_early",  # kv_req with --decide-first
 )
@@ -463,7 +476,7 @@ def start_targets(
                 argv += ["--load-metric", "requests"]
             if name == "kv_early":
                 argv.append("--decide-first")
-            if tokenizer and name != "kv_bytes":
+            if tokenizer and not name.endswith("_bytes"):
                 argv += ["--tokenizer", tokenizer]
             return start_server(name, argv, port, log_dir=log_dir, timeout_s=120)
         peer, policy = {"sgl_cache": (SGLANG, "cache_aware"), "vllm_rr": (VLLM, "round_robin")}[
@@ -608,6 +621,46 @@ def profile_kvroute(pool: LoadPool, name: str, server: Any, seconds: float, conc
     summarize_profile(raw)
 
 
+def count_syscalls(pool: LoadPool, names: list[str], targets: dict[str, Any], n: int) -> None:
+    """System calls per request of each router (``strace -c -f`` on its PID while ``n``
+    requests pass at one connection): a count, unlike CPU time, that a shared machine
+    does not blur. strace slows the router; only the counts are reported."""
+    strace = shutil.which("strace")
+    if strace is None:
+        print("strace not installed (apt-get install strace)", file=sys.stderr)
+        return
+    counts: dict[str, dict[str, float]] = {}
+    for name in names:
+        if name == "direct":
+            continue
+        server = targets[name]
+        out = f"/tmp/router_overhead_strace_{name}.txt"
+        tracer = subprocess.Popen(
+            [strace, "-c", "-f", "-o", out, "-p", str(server.pid)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        time.sleep(1.0)  # let strace attach to every thread
+        res, _ = pool.run(server.url, 20_000, n, 1)
+        tracer.terminate()
+        tracer.wait(timeout=30)
+        calls: dict[str, float] = {}
+        with open(out) as f:
+            for line in f:
+                parts = line.split()
+                # "% time seconds usecs/call calls [errors] syscall"
+                if len(parts) >= 5 and parts[0][0].isdigit() and parts[-1] != "total":
+                    calls[parts[-1]] = int(parts[3]) / max(len(res.latencies), 1)
+        counts[name] = calls
+    shown = sorted({c for calls in counts.values() for c in calls if calls[c] >= 0.05})
+    print(f"\n### System calls per request ({n} requests, 1 connection, strace -c -f)\n")
+    print("| target | " + " | ".join(shown) + " | all |")
+    print("|---|" + "---:|" * (len(shown) + 1))
+    for name, calls in counts.items():
+        cells = " | ".join(f"{calls.get(c, 0.0):.2f}" for c in shown)
+        print(f"| {name} | {cells} | {sum(calls.values()):.2f} |")
+
+
 T0 = time.monotonic()
 
 
@@ -642,13 +695,20 @@ def main() -> int:
         "--baseline-python",
         default=None,
         metavar="PYTHON",
-        help="interpreter of another kvroute install, for the base_cache/base_rr targets",
+        help="interpreter of another kvroute install (an earlier build), for the base_* targets",
     )
     ap.add_argument(
         "--profile-target",
         choices=KVROUTE_TARGETS,
         default=None,
         help="the kvroute target --profile samples (default: kv_cache, else kv_rr)",
+    )
+    ap.add_argument(
+        "--syscalls",
+        type=int,
+        default=0,
+        metavar="N",
+        help="afterwards, count each router's system calls per request over N requests",
     )
     ap.add_argument("--log-dir", default="/tmp/router_overhead_logs")
     ap.add_argument("--serve-worker", type=int, default=None, help=argparse.SUPPRESS)
@@ -703,15 +763,16 @@ def main() -> int:
                 for name in names[k:] + names[:k]:
                     srv = targets[name]
                     watch = srv.pid if name != "direct" else None
-                    cpu0 = tree_cpu_s(watch) if watch else 0.0
+                    user0, sys0 = tree_cpu(watch) if watch else (0.0, 0.0)
                     res, client_cpu = pool.run(srv.url, r, n, conc)
-                    cpu1 = tree_cpu_s(watch) if watch else 0.0
+                    user1, sys1 = tree_cpu(watch) if watch else (0.0, 0.0)
                     c = cells[(name, conc)]
                     c.latencies.extend(res.latencies)
                     c.wall_s += res.last_end - res.first_start
                     c.requests += len(res.latencies)
                     c.errors += len(res.latencies) - res.statuses.get(200, 0)
-                    c.router_cpu_s += cpu1 - cpu0
+                    c.router_cpu_s += user1 + sys1 - user0 - sys0
+                    c.router_sys_s += sys1 - sys0
                     c.client_cpu_s += max(client_cpu)
                     c.clients = len(client_cpu)
                     log(f"round {r} {name} x{conc}: {n / (res.last_end - res.first_start):.0f}/s")
@@ -731,9 +792,9 @@ def main() -> int:
         )
         print(
             "| target | conns | req/s | p50 ms | p99 ms | +p50 ms | +p99 ms "
-            "| router CPU µs/req | router cores | busiest client CPU % | errors |"
+            "| router CPU µs/req | of it kernel % | router cores | busiest client CPU % | errors |"
         )
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for conc in args.concurrency:
             base = cells.get(("direct", conc))
             for name in names:
@@ -745,15 +806,18 @@ def main() -> int:
                 else:
                     d50 = d99 = "–"
                 if name == "direct":
-                    cpu = cores = "–"
+                    cpu = cores = kernel = "–"
                 else:
                     cpu = f"{1e6 * c.router_cpu_s / c.requests:.0f}"
+                    kernel = f"{100 * c.router_sys_s / max(c.router_cpu_s, 1e-9):.0f}"
                     cores = f"{c.router_cpu_s / c.wall_s:.2f}"
                 print(
                     f"| {name} | {conc} | {c.requests / c.wall_s:.0f} | {p50:.1f} | {p99:.1f} "
-                    f"| {d50} | {d99} | {cpu} | {cores} "
+                    f"| {d50} | {d99} | {cpu} | {kernel} | {cores} "
                     f"| {100 * c.client_cpu_s / c.wall_s:.0f} | {c.errors} |"
                 )
+        if args.syscalls > 0:
+            count_syscalls(pool, names, targets, args.syscalls)
         order = [args.profile_target] if args.profile_target else ["kv_cache", "kv_rr"]
         profiled = next((t for t in order if t in targets), None)
         if args.profile > 0 and profiled is not None:

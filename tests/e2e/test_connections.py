@@ -4,6 +4,7 @@ slow headers and stalled bodies 408, idle keep-alive connections are closed."""
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -86,6 +87,46 @@ def test_a_body_shorter_than_its_length_gets_408(router: Server) -> None:
         )
         answer = read_all(s)
     assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+
+
+def test_a_body_that_keeps_coming_is_not_timed_out(router: Server) -> None:
+    """The body deadline counts from the last byte: a body trickling in for 1.6 s, a
+    chunk every 0.2 s (each within the 0.5 s limit), is answered."""
+    body = b'{"prompt": "' + b"a" * 24 + b'"}'
+    with connect(router) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n"
+        )
+        for i in range(0, len(body), 5):
+            time.sleep(0.2)
+            s.sendall(body[i : i + 5])
+        answer = s.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+
+
+def test_a_kept_alive_connection_gets_a_fresh_header_deadline(router: Server) -> None:
+    """A second request on the connection, its headers cut short, gets 408 after its
+    own header timeout; the first one's answer came whole (head and body)."""
+    with connect(router) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        first = s.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200 ") and first.endswith(b'{"status":"ok"}'), first
+        time.sleep(0.3)
+        s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n")  # never completed
+        answer = read_all(s)
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+
+
+def test_a_head_request_is_answered_on_a_kept_alive_connection(router: Server) -> None:
+    """A HEAD answer has no body to carry its head: it goes out when the response ends."""
+    with connect(router) as s:
+        s.settimeout(3)
+        s.sendall(b"HEAD /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        answer = s.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 ") and answer.endswith(b"\r\n\r\n"), answer
+        s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")  # the connection still serves
+        assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
 
 
 def test_an_idle_keep_alive_connection_is_closed(router: Server) -> None:

@@ -18,6 +18,17 @@ parser buffer megabytes of headers. ``guarded_protocol`` subclasses uvicorn's
   without a byte of it ends the request with ``408``; the app sees the client as gone.
   Time while reading is paused (the app has not consumed what arrived, e.g. while the
   request waits for admission) does not count.
+
+It also sends a response's head and the start of its body in one write: uvicorn writes
+the status line and headers as soon as the app starts the response, then the body as a
+second write, so a complete answer cost two ``send`` calls and two TCP segments (on
+loopback the sender also pays the receiver's TCP processing), where the Rust routers
+send both with one ``writev``. ``_HeadHoldingTransport`` keeps the head
+of an answer whose length is known (``content-length``: its body follows at once, in
+the same ``send`` sequence) until the body's write, the end of the response (a ``HEAD``
+answer writes no body) or the connection's close. Other heads (streams: chunked, their
+first chunk may be seconds away) go out at once. No callback is scheduled: one was an
+extra turn of the event loop, and so an extra ``epoll_wait``, per request.
 """
 
 from __future__ import annotations
@@ -41,6 +52,63 @@ LINGER_S = 1.0  # how long a refused connection's late input is read and dropped
 REQUEST_TIMEOUT = _response(b"408 Request Timeout", b"request not received in time")
 
 
+COALESCE_MAX = 256 * 1024  # bodies up to this size are joined to their head
+
+
+class _HeadHoldingTransport:
+    """The connection's transport, holding a response head until the next write."""
+
+    __slots__ = ("_held", "_transport")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._held: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        held = self._held
+        if held is not None:
+            self._held = None
+            if len(data) > COALESCE_MAX:  # a big body: not worth copying to save a call
+                self._transport.write(held)
+                self._transport.write(data)
+            else:
+                self._transport.write(held + data)
+        elif data.startswith(b"HTTP/1.1 ") and b"\r\ncontent-length: " in data:
+            # The head of an answer of known length (uvicorn writes it alone, with the
+            # header names lowercased): its body is the next write.
+            self._held = data
+        else:
+            self._transport.write(data)
+
+    def flush(self) -> None:
+        held = self._held
+        if held is not None:
+            self._held = None
+            self._transport.write(held)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def write_eof(self) -> None:
+        self.flush()
+        self._transport.write_eof()
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self.flush()
+        self._transport.set_protocol(protocol)
+
+    def abort(self) -> None:
+        self._held = None
+        self._transport.abort()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:  # get_extra_info, pause_reading, ...
+        return getattr(self._transport, name)
+
+
 def guarded_protocol(
     max_header_bytes: int, header_timeout_s: float, body_timeout_s: float
 ) -> type[HttpToolsProtocol]:
@@ -51,22 +119,53 @@ def guarded_protocol(
             super().__init__(*args, **kwargs)
             self._in_header = False
             self._header_bytes = 0
-            self._header_timer: asyncio.TimerHandle | None = None
-            self._body_timer: asyncio.TimerHandle | None = None
+            # Deadlines (loop time) behind one timer per connection: a request used to
+            # create and cancel three timers (~2 µs each); now a deadline is a float, and
+            # the timer, when it fires early, re-arms for whatever is still due.
+            self._header_due: float | None = None
+            self._body_due: float | None = None
+            self._timer: asyncio.TimerHandle | None = None
+            self._timer_at = 0.0
             self._refused = False
             self._linger: asyncio.TimerHandle | None = None
 
         # -------------------------------------------------------- timers
 
         def _arm_header_timer(self) -> None:
-            if self._header_timer is None:
-                self._header_timer = self.loop.call_later(header_timeout_s, self._header_late)
+            if self._header_due is None:
+                self._header_due = self.loop.time() + header_timeout_s
+                self._wake_at(self._header_due)
+
+        def _arm_body_timer(self) -> None:
+            self._body_due = self.loop.time() + body_timeout_s
+            self._wake_at(self._body_due)
+
+        def _wake_at(self, due: float) -> None:
+            """Have the timer fire by ``due`` (it may fire earlier: ``_check`` re-arms)."""
+            if self._timer is None or self._timer_at > due:
+                if self._timer is not None:
+                    self._timer.cancel()
+                self._timer = self.loop.call_at(due, self._check)
+                self._timer_at = due
+
+        def _check(self) -> None:
+            self._timer = None
+            now = self.loop.time() + 0.001  # the loop's clock ticks in milliseconds
+            if self._header_due is not None and now >= self._header_due:
+                self._header_due = None
+                self._header_late()
+            elif self._body_due is not None and now >= self._body_due:
+                self._body_due = None
+                self._body_late()
+            else:
+                dues = [d for d in (self._header_due, self._body_due) if d is not None]
+                if dues:
+                    self._wake_at(min(dues))
 
         def _cancel(self) -> None:
-            for timer in (self._header_timer, self._body_timer):
-                if timer is not None:
-                    timer.cancel()
-            self._header_timer = self._body_timer = None
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = self._header_due = self._body_due = None
 
         def _refuse(self, response: bytes | None) -> None:
             """Answer ``response`` (unless a response is under way) and close."""
@@ -94,22 +193,21 @@ def guarded_protocol(
                 self.transport.close()
 
         def _header_late(self) -> None:
-            self._header_timer = None
             self._refuse(REQUEST_TIMEOUT if self._header_bytes else None)
 
         def _body_late(self) -> None:
-            self._body_timer = None
             if self.flow is not None and self.flow.read_paused:
                 # The app has not read what it has (queued for admission): the pause is
                 # the router's, not the client's.
-                self._body_timer = self.loop.call_later(body_timeout_s, self._body_late)
+                self._arm_body_timer()
                 return
             self._refuse(REQUEST_TIMEOUT)
 
         # -------------------------------------------------------- protocol
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
+            held = _HeadHoldingTransport(transport)
+            super().connection_made(held)  # type: ignore[arg-type]
             self._arm_header_timer()
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -149,30 +247,29 @@ def guarded_protocol(
 
         def on_headers_complete(self) -> None:
             self._in_header = False
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
+            self._header_due = None  # the timer, if it fires, finds nothing due
             if self._refused:
                 return
             super().on_headers_complete()
             lengths = [v for k, v in self.headers if k in (b"content-length", b"transfer-encoding")]
             if any(v.strip() not in (b"0", b"") for v in lengths):
-                self._body_timer = self.loop.call_later(body_timeout_s, self._body_late)
+                self._arm_body_timer()
 
         def on_body(self, body: bytes) -> None:
             if self._refused:
                 return
-            if self._body_timer is not None:
-                self._body_timer.cancel()
-                self._body_timer = self.loop.call_later(body_timeout_s, self._body_late)
+            if self._body_due is not None:  # later only: the timer re-arms when it fires
+                self._body_due = self.loop.time() + body_timeout_s
             super().on_body(body)
+
+        def on_response_complete(self) -> None:
+            self.transport.flush()  # type: ignore[attr-defined]  # a HEAD answer's head
+            super().on_response_complete()
 
         def on_message_complete(self) -> None:
             if self._refused:
                 return
-            if self._body_timer is not None:
-                self._body_timer.cancel()
-                self._body_timer = None
+            self._body_due = None
             super().on_message_complete()
 
     return GuardedHttpToolsProtocol
