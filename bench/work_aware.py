@@ -119,9 +119,10 @@ def scenarios(trace: str | None) -> list[Scenario]:
     return out
 
 
-def at_rate(prep: Prepared, rate: float) -> Prepared:
-    """The same requests, in the same order, arriving as a Poisson process at ``rate``."""
-    gaps = np.random.default_rng([0, 7]).exponential(1.0 / rate, len(prep.requests))
+def at_rate(prep: Prepared, rate: float, seed: int = 7) -> Prepared:
+    """The same requests, in the same order, arriving as a Poisson process at ``rate``
+    (``seed``: the arrival draw; the tables use 7)."""
+    gaps = np.random.default_rng([0, seed]).exponential(1.0 / rate, len(prep.requests))
     times = np.cumsum(gaps) - gaps[0]
     reqs = [replace(r, arrival_s=float(t)) for r, t in zip(prep.requests, times, strict=True)]
     return Prepared(reqs, prep.keys, prep.block_size)
@@ -133,15 +134,22 @@ def run(prep: Prepared, policy: str, settings: dict[str, Any], cfg: FleetConfig)
 
 
 def capacity(
-    prep: Prepared, policy: str, settings: dict[str, Any], cfg: FleetConfig, args: Any, r0: float
+    prep: Prepared,
+    policy: str,
+    settings: dict[str, Any],
+    cfg: FleetConfig,
+    args: Any,
+    r0: float,
+    seed: int = 7,
 ) -> tuple[float, int]:
-    """Highest Poisson rate with TTFT p90 <= SLO (see module doc); (rate, runs)."""
+    """Highest Poisson rate with TTFT p90 <= SLO (see module doc); (rate, runs).
+    ``seed``: the arrival draw (``at_rate``)."""
     runs = 0
 
     def ok(rate: float) -> bool:
         nonlocal runs
         runs += 1
-        return run(at_rate(prep, rate), policy, settings, cfg).ttft_p90 <= args.slo
+        return run(at_rate(prep, rate, seed), policy, settings, cfg).ttft_p90 <= args.slo
 
     lo = hi = None
     rate = r0

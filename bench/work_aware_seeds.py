@@ -8,19 +8,37 @@ rule (``cache_aware --load-metric requests``) and the ratios of ``min_ttft`` and
 ``cache_aware (work)`` to it. A check that the changes were not tuned to the tables'
 traces; nothing here is swept.
 
+``--arrivals N``: instead, the decode-bound GSP shapes of the tables (``gsp8``,
+``hetero``) with the tables' own requests on N other Poisson arrival draws
+(``at_rate``'s seed 1..N) at each ``--rates`` point, ``cache_aware (work)`` against
+SGLang's rule: per metric the ratio of the means over the draws, the median per-draw
+ratio, and on how many draws it is worse / better by more than 5%. Metrics: TTFT
+p50/p90/p99 and mean, requests over 0.1 s (above a hit's 14-28 ms, below a cold
+prefill's 150-290 ms), hit rate; with ``--capacity``, also the capacity at the SLO per
+draw (``work_aware.capacity``, ``--bisect`` 4: within 4.4%).
+
     python bench/work_aware_seeds.py
+    python bench/work_aware_seeds.py --arrivals 30 --rates gsp8:27.3,gsp8:28.6,hetero:22,hetero:27.3
+    python bench/work_aware_seeds.py --arrivals 10 --rates gsp8:0,hetero:0 --capacity
 """
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
+from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any
+
+import numpy as np
 
 from kvroute.sim import workloads as wl
 from kvroute.sim.cost import CostModel
-from kvroute.sim.fleet import FleetConfig, heterogeneous, prepare
+from kvroute.sim.fleet import FleetConfig, heterogeneous, prepare, simulate
 from kvroute.sim.report import ResultRow
-from work_aware import BASELINE, POLICIES, at_rate, run
+from work_aware import BASELINE, POLICIES, at_rate, capacity, run, scenarios
+
+STEP_S = 0.1  # between a hit (14-28 ms) and a cold prefill (150-290 ms) on these shapes
 
 
 def cases() -> list[tuple[str, Callable[[], list[wl.Request]], FleetConfig, float]]:
@@ -72,7 +90,76 @@ def cases() -> list[tuple[str, Callable[[], list[wl.Request]], FleetConfig, floa
     ]
 
 
+def arrivals(n: int, rates: str, with_capacity: bool, bisect: int) -> None:
+    """cache_aware (work) against SGLang's rule over ``n`` arrival draws (module doc)."""
+    shapes = {sc.name: sc for sc in scenarios(None)}
+    work = POLICIES[1]
+    base = POLICIES[2]
+    for spec in rates.split(","):
+        name, _, r = spec.partition(":")
+        sc = shapes[name]
+        prep = prepare(sc.build(), sc.cfg.block_size)
+        rate = float(r)
+        stats: dict[str, list[tuple[float, float]]] = {}
+        if rate > 0:
+            for seed in range(1, n + 1):
+                p = at_rate(prep, rate, seed)
+                pair = []
+                for _, policy, settings in (work, base):
+                    cfg = replace(sc.cfg, policy_settings={**sc.cfg.policy_settings, **settings})
+                    row = simulate(p, policy, cfg, record=True)
+                    t = np.asarray(row.extra["ttft"])
+                    pair.append(
+                        {
+                            "p50": row.ttft_p50,
+                            "p90": row.ttft_p90,
+                            "p99": row.ttft_p99,
+                            "mean": float(t.mean()),
+                            f"over {STEP_S} s": float((t > STEP_S).sum()),
+                            "hit rate": row.hit_rate,
+                        }
+                    )
+                for k in pair[0]:
+                    stats.setdefault(k, []).append((pair[0][k], pair[1][k]))
+        if with_capacity:
+            tps = sum(c.prefill_tokens_per_s for c in sc.cfg.costs())
+            r0 = tps / (prep.prompt_tokens / len(prep.requests)) / 4
+            args = SimpleNamespace(slo=2.0, max_steps=8, bisect=bisect)
+            for seed in range(1, n + 1):
+                caps = [
+                    capacity(prep, pol, st, sc.cfg, args, r0, seed)[0]
+                    for _, pol, st in (work, base)
+                ]
+                stats.setdefault("capacity", []).append((caps[0], caps[1]))
+        at = f"{rate} req/s" if rate > 0 else "swept"
+        print(f"\n{name}, {at}, arrival seeds 1-{n}: cache_aware (work) / SGLang's rule\n")
+        print(
+            "| metric | work, mean | rule, mean | ratio of means | median ratio "
+            "| worse / better by >5% |"
+        )
+        print("|---|---|---|---|---|---|")
+        for k, v in stats.items():
+            a = np.array(v)
+            ratio = a[:, 0] / np.where(a[:, 1] > 0, a[:, 1], np.nan)
+            w, b = a[:, 0].mean(), a[:, 1].mean()
+            worse, better = int((ratio > 1.05).sum()), int((ratio < 1 / 1.05).sum())
+            print(
+                f"| {k} | {w:.4g} | {b:.4g} | {w / b:.3f} | {np.nanmedian(ratio):.3f}"
+                f" | {worse} / {better} |",
+                flush=True,
+            )
+
+
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arrivals", type=int, default=0, help="arrival draws (module doc)")
+    ap.add_argument("--rates", default="gsp8:27.3,hetero:27.3", help="shape:rate,...")
+    ap.add_argument("--capacity", action="store_true", help="also sweep capacity per draw")
+    ap.add_argument("--bisect", type=int, default=4)
+    a = ap.parse_args()
+    if a.arrivals:
+        arrivals(a.arrivals, a.rates, a.capacity, a.bisect)
+        return 0
     print(
         "| workload | SGLang's rule p50 / p90 / p99 (s) | min_ttft / it "
         "| cache_aware (work) / it |\n|---|---|---|---|"

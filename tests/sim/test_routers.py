@@ -142,6 +142,8 @@ def test_restart_loses_the_cache(policy: str) -> None:
     prep = prepare(reqs, 16)
     kept = simulate(prep, policy, FleetConfig(workers=1, cost=COST), record=True)
     assert kept.extra["cached"] == [0, 496] and kept.extra["restarts"] == 0
+    cold, hit = kept.extra["ttft"]
+    assert hit < cold and max(cold, hit) == pytest.approx(kept.ttft_p99, rel=0.02)
     lost = simulate(
         prep, policy, FleetConfig(workers=1, cost=COST, restart_every_s=50.0), record=True
     )

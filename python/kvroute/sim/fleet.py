@@ -203,8 +203,9 @@ def simulate(
 ) -> ResultRow:
     """Run ``prep`` through a fresh fleet routed by ``policy``; one result row.
 
-    ``record``: also return, in ``extra``, each request's worker index (``assigned``) and
-    cached prompt tokens (``cached``), in arrival order (to compare with the HTTP path).
+    ``record``: also return, in ``extra``, each request's worker index (``assigned``),
+    cached prompt tokens (``cached``) and TTFT in seconds (``ttft``), in arrival order
+    (to compare with the HTTP path).
     """
     if prep.block_size != cfg.block_size:
         raise ValueError("workload prepared with a different block size")
@@ -394,6 +395,7 @@ def simulate(
     if record:
         extra["assigned"] = assigned
         extra["cached"] = cached_per
+        extra["ttft"] = ttft
     prompt_tokens = prep.prompt_tokens
     output_tokens = sum(r.output_len for r in reqs)
     end = max((arrivals[i] + e2e[i] for i in range(nreq)), default=0.0)
