@@ -363,20 +363,28 @@ class PromptTokenizer:
         if self._tok is None:
             return self.render_chat(messages, body)
         deadline = time.monotonic() + self.template_timeout_s
+        body_bytes = len(orjson.dumps(body))  # sizes the bounds; serialized once
         if self._templates is not None:
             source, kwargs = request_template_kwargs(body, trusted=self.trust_request_chat_template)
             if source is None:
-                bounds = Bounds.for_body(len(orjson.dumps(body)), self.template_timeout_s)
+                bounds = Bounds.for_body(body_bytes, self.template_timeout_s)
                 text = self._templates.lookup(messages, kwargs, _tools(body), bounds)
                 if text is not None:
                     return text
         return await render_off_loop(
-            lambda: self._render(messages, body, deadline), self.template_timeout_s
+            lambda: self._render(messages, body, deadline, body_bytes), self.template_timeout_s
         )
 
-    def _render(self, messages: list[dict[str, Any]], body: dict[str, Any], deadline: float) -> str:
+    def _render(
+        self,
+        messages: list[dict[str, Any]],
+        body: dict[str, Any],
+        deadline: float,
+        body_bytes: int | None = None,
+    ) -> str:
         source, kwargs = request_template_kwargs(body, trusted=self.trust_request_chat_template)
-        body_bytes = len(orjson.dumps(body))
+        if body_bytes is None:
+            body_bytes = len(orjson.dumps(body))
         bounds = Bounds.for_body(body_bytes, 0.0)
         bounds.deadline = deadline
         tools = _tools(body)
