@@ -162,6 +162,12 @@ def wait_until(cond: Callable[[], object], timeout_s: float = 30.0) -> bool:
     return False
 
 
+def wait_for(pred: Callable[[], object], timeout: float = 30.0, what: str = "condition") -> None:
+    """``wait_until``, failing the test with what was awaited when ``timeout`` passes."""
+    if not wait_until(pred, timeout):
+        raise AssertionError(f"timed out waiting for {what}")
+
+
 def metric(router: Server, name: str, *labels: str) -> float:
     """The sum of the router's /metrics samples named ``name`` whose labels contain every
     string of ``labels`` (0 when there is none)."""

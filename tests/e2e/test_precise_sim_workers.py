@@ -9,7 +9,7 @@ flush (AllBlocksCleared: B rebuilt at once) and a sequence restart.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
@@ -18,17 +18,9 @@ import pytest
 from kvroute import BlockIndex
 from kvroute.eval.procs import Server, free_port, kvroute_argv, running, start_server
 from kvroute.events import EventTracker, KvEventSubscriber, PreciseView, parse_kv_events
+from support import wait_for
 
 BLOCK = 16
-
-
-def wait_for(pred: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def prompt(seed: int, n: int = 100) -> list[int]:

@@ -19,7 +19,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ from engine_support import engine_or_skip
 from kvroute import BlockIndex
 from kvroute.eval.procs import Server, free_port, kvroute_argv, start_server
 from kvroute.events import EventTracker, KvEventSubscriber, PreciseView, parse_kv_events
+from support import wait_for
 
 # Starting two replicas takes 1-3 minutes (more on a busy machine).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -40,15 +41,6 @@ BLOCK = 32
 
 
 serve = engine_or_skip()
-
-
-def wait_for(pred: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def prompt(seed: int, n: int = 300) -> list[int]:

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import subprocess
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import pytest
 
 from engine_support import engine_or_skip
 from kvroute.eval.procs import Server, free_port, kvroute_argv, start_server
+from support import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -40,15 +40,6 @@ if _peft.returncode != 0:
     pytest.skip(
         "peft is not installed in .engine (.engine/bin/pip install peft)", allow_module_level=True
     )
-
-
-def wait_for(pred: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def adapters() -> dict[str, Path]:

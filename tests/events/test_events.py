@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ from kvroute.events import (
     parse_seq,
     register_kv_event_metrics,
 )
+from support import wait_for
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 BS = 4  # block size of the synthetic streams
@@ -67,15 +68,6 @@ def payload(events: list[Any], rank: int | None = 0) -> bytes:
     if rank is not None:
         batch.append(rank)
     return bytes(msgpack.packb(batch))
-
-
-def wait_for(pred: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 # -- decoder -------------------------------------------------------------------------
