@@ -11,25 +11,12 @@ from typing import Any
 import httpx
 import pytest
 
+from fake_worker import PASSTHROUGH_PATHS as PASSTHROUGH  # every one the fake serves
 from kvroute.config import Settings
 from kvroute.fleet.health import refresh_models
 from kvroute.service.app import create_app
 
 W1, W2 = "http://w1:8000", "http://w2:8000"
-PASSTHROUGH = [
-    "/v1/embeddings",
-    "/tokenize",
-    "/detokenize",
-    "/pooling",
-    "/classify",
-    "/score",
-    "/v1/score",
-    "/rerank",
-    "/v1/rerank",
-    "/v2/rerank",
-    "/v1/audio/transcriptions",
-    "/v1/audio/translations",
-]
 
 Handler = Callable[[httpx.Request], httpx.Response]
 
