@@ -19,8 +19,8 @@ any router's TTFTs.
 
 **Capacity ceiling** at ``TTFT quantile <= SLO``: the arrivals are the benchmark's
 Poisson draw scaled to the rate (``bench/work_aware.py``'s ``at_rate``: the draw at rate
-``r`` is the draw at rate 1 divided by ``r``). A rate is feasible only if both
-relaxations admit enough requests on time (``good_needed``: as many as
+``r`` is the draw at rate 1 divided by ``r``). A rate is feasible only if each of three
+relaxations admits enough requests on time (``good_needed``: as many as
 ``numpy.percentile`` needs below the SLO):
 
 * *decode slots*: a request answered within the SLO holds one of the fleet's slots
@@ -41,6 +41,9 @@ relaxations admit enough requests on time (``good_needed``: as many as
 
 The simulated decode slows with the batch (``decode_batch_slowdown``), which these
 relaxations ignore: where decode slots bind, the ceiling is loose by up to that factor.
+And a late request costs nothing in them (it could be served after everything else),
+although its prefill may be what later requests' cache hits need (a group's cold
+prompt in GSP): where a few cold prefills carry many hits, the ceiling is loose too.
 The highest feasible rate is found by doubling and bisection (monotone: a faster draw
 only compresses the same intervals).
 """
