@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from kvroute.sim import workloads as wl
+from kvroute.sim.bounds import capacity_ceiling, ttft_floor
 from kvroute.sim.cost import CostModel
 from kvroute.sim.fleet import FleetConfig, Prepared, heterogeneous, prepare, simulate, upper_bound
 from kvroute.sim.report import ResultRow
@@ -128,6 +129,46 @@ def at_rate(prep: Prepared, rate: float, seed: int = 7) -> Prepared:
     return Prepared(reqs, prep.keys, prep.block_size)
 
 
+def unit_arrivals(n: int, seed: int = 7) -> np.ndarray:
+    """``at_rate``'s arrival times at rate 1 (at rate r they are these / r)."""
+    gaps = np.random.default_rng([0, seed]).exponential(1.0, n)
+    return np.cumsum(gaps) - gaps[0]
+
+
+def bounds(sc: Scenario, prep: Prepared, slo: float, sweep: bool) -> dict[str, float]:
+    """What no router can beat (``kvroute.sim.bounds``): TTFT floor p50/p90/p99 and,
+    when swept, the capacity ceiling at the SLO on the sweep's arrival draw."""
+    floor = ttft_floor(prep, sc.cfg.costs())
+    out = {f"ttft_floor_p{q}": float(np.percentile(floor, q)) for q in (50, 90, 99)}
+    if sweep:
+        arr = unit_arrivals(len(prep.requests))
+        out["capacity_ceiling"] = capacity_ceiling(prep, sc.cfg.costs(), arr, slo)
+    return out
+
+
+def reachable(b: dict[str, float], base: dict[str, float | None], base_cap: float | None) -> str:
+    """Whether 0.8x the baseline's TTFT p50 and p99 and 1.25x its capacity are within the
+    bounds (``base``: its ``ttft_p50`` and ``ttft_p99``)."""
+    parts = []
+    for q in ("p50", "p99"):
+        v = base.get(f"ttft_{q}")
+        if v:
+            f = b[f"ttft_floor_{q}"]
+            ok = f <= 0.8 * v
+            parts.append(
+                f"{q} floor {f:.3f} s = {f / v:.2f}x SGLang's rule's {v:.3f} s: "
+                f"0.8x {'not excluded' if ok else 'UNREACHABLE'}"
+            )
+    if base_cap and "capacity_ceiling" in b:
+        cap = b["capacity_ceiling"]
+        ok = cap >= 1.25 * base_cap
+        parts.append(
+            f"capacity ceiling {cap:.2f} req/s = {cap / base_cap:.2f}x its {base_cap:.2f}: "
+            f"1.25x {'not excluded' if ok else 'UNREACHABLE'}"
+        )
+    return "; ".join(parts)
+
+
 def run(prep: Prepared, policy: str, settings: dict[str, Any], cfg: FleetConfig) -> ResultRow:
     c = replace(cfg, policy_settings={**cfg.policy_settings, **settings})
     return simulate(prep, policy, c)
@@ -190,6 +231,13 @@ def main() -> int:
         "Mooncake trace's timestamps), capacity not reported",
     )
     p.add_argument("--out", default=None, help="also write the results as JSON here")
+    p.add_argument(
+        "--bounds-only",
+        action="store_true",
+        help="only the bounds (kvroute.sim.bounds), no routing; with --against, compared "
+        "with SGLang's rule's p50 and capacity in those JSON results",
+    )
+    p.add_argument("--against", nargs="*", default=[], help="JSON files written by --out")
     args = p.parse_args()
     trace = args.trace if args.trace and Path(args.trace).exists() else None
     chosen = set(args.only.split(",")) if args.only else None
@@ -200,6 +248,18 @@ def main() -> int:
         t0 = time.perf_counter()
         prep = prepare(sc.build(), sc.cfg.block_size)
         bound = upper_bound(prep)
+        bnd = bounds(sc, prep, args.slo, not args.no_sweep)
+        if args.bounds_only:
+            base_row, base_cap = stored(args.against, sc.name)
+            print(
+                f"{sc.name}: TTFT floor p50/p90/p99 {bnd['ttft_floor_p50']:.3f} / "
+                f"{bnd['ttft_floor_p90']:.3f} / {bnd['ttft_floor_p99']:.3f} s, capacity "
+                f"ceiling {bnd.get('capacity_ceiling', float('nan')):.2f} req/s. "
+                + reachable(bnd, base_row, base_cap),
+                flush=True,
+            )
+            results["scenarios"][sc.name] = {"bounds": bnd}
+            continue
         tps = sum(c.prefill_tokens_per_s for c in sc.cfg.costs())
         r0 = tps / (prep.prompt_tokens / len(prep.requests)) / 4
         caps: dict[str, float] = {}
@@ -218,18 +278,37 @@ def main() -> int:
             f"table at {at} ({time.perf_counter() - t0:.0f} s)\n"
         )
         print(table(rows, caps, bound))
+        base = rows[[label for label, _, _ in POLICIES].index(BASELINE)]
+        print(
+            f"\nBounds: TTFT floor p50/p90/p99 {bnd['ttft_floor_p50']:.3f} / "
+            f"{bnd['ttft_floor_p90']:.3f} / {bnd['ttft_floor_p99']:.3f} s; "
+            + reachable(bnd, base.to_dict(), caps.get(BASELINE))
+        )
         sys.stdout.flush()
         results["scenarios"][sc.name] = {
             "requests": len(prep.requests),
             "workers": sc.cfg.workers,
             "rate": rate,
             "upper_bound": bound,
+            "bounds": bnd,
             "capacity": caps,
             "rows": [r.to_dict() for r in rows],
         }
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1, default=float))
     return 0
+
+
+def stored(paths: list[str], name: str) -> tuple[dict[str, float | None], float | None]:
+    """SGLang's rule's row and capacity for scenario ``name`` in ``--out`` files (the
+    first file that has the scenario)."""
+    for path in paths:
+        sc = json.loads(Path(path).read_text())["scenarios"].get(name)
+        if sc is None or "rows" not in sc:
+            continue
+        row = next(r for r in sc["rows"] if r["name"] == BASELINE)
+        return row, sc["capacity"].get(BASELINE)
+    return {}, None
 
 
 def table(rows: list[ResultRow], caps: dict[str, float], bound: float) -> str:

@@ -20,6 +20,15 @@ draw (``work_aware.capacity``, ``--bisect`` 4: within 4.4%).
     python bench/work_aware_seeds.py
     python bench/work_aware_seeds.py --arrivals 30 --rates gsp8:27.3,gsp8:28.6,hetero:22,hetero:27.3
     python bench/work_aware_seeds.py --arrivals 10 --rates gsp8:0,hetero:0 --capacity
+
+``--workload-seeds N`` (with ``--arrivals M``): the same shapes built with workload seeds
+0..N-1 (seed 0: the tables' requests; the others change the group order and prompts),
+each on M arrival draws, at each ``--rates`` point: per workload seed the ratio of the
+mean TTFT p90 and p99 over the draws, ``cache_aware (work)`` over SGLang's rule, and the
+same for SGLang's rule with only its tie rotation changed (kvroute's per-worker rotation
+instead of its single cursor): how far the p90 moves on tie order alone.
+
+    python bench/work_aware_seeds.py --workload-seeds 8 --arrivals 6 --rates hetero:22
 """
 
 from __future__ import annotations
@@ -32,6 +41,9 @@ from typing import Any
 
 import numpy as np
 
+from kvroute._native import PrefixIndex
+from kvroute.routing.policies._common import TieBreaker
+from kvroute.routing.policies.cache_aware import CacheAware
 from kvroute.sim import workloads as wl
 from kvroute.sim.cost import CostModel
 from kvroute.sim.fleet import FleetConfig, heterogeneous, prepare, simulate
@@ -150,13 +162,91 @@ def arrivals(n: int, rates: str, with_capacity: bool, bisect: int) -> None:
             )
 
 
+def shape(name: str, seed: int) -> tuple[list[wl.Request], FleetConfig]:
+    """One of the tables' GSP, chat or llm-d shapes built with workload ``seed``."""
+    base: dict[str, Any] = {"learn_capacity": True, "policy_settings": {"seed": 0}}
+    fast, slow = CostModel(), CostModel(prefill_tokens_per_s=3000.0)
+    out = 32 if name.endswith("_prefill") else 256
+    cost = slow if name.endswith("_prefill") else fast
+    if name in ("gsp8", "gsp8_prefill"):
+        return wl.gsp(64, 16, 2048, 128, out, seed=seed), FleetConfig(workers=8, cost=cost, **base)
+    if name in ("hetero", "hetero_prefill"):
+        costs = heterogeneous(cost, 8, 2, 0.5)
+        return wl.gsp(64, 16, 2048, 128, out, seed=seed), FleetConfig(
+            workers=8, worker_costs=costs, **base
+        )
+    if name == "chat":
+        return wl.multiturn(200, 6, 800, 200, 200, sigma=1.8, seed=seed), FleetConfig(
+            workers=8, **base
+        )
+    if name == "llmd_zipf":
+        return wl.llmd(popularity="zipf", zipf_s=1.1, seed=seed), FleetConfig(workers=8, **base)
+    raise SystemExit(f"no workload-seed builder for {name}")
+
+
+def rule_rotated(index: PrefixIndex) -> CacheAware:
+    """SGLang's rule (``--load-metric requests``) with kvroute's per-worker tie rotation
+    instead of its single cursor: a change of tie order alone (a measuring device)."""
+    policy = CacheAware(index, load_metric="requests")
+    policy._ties = TieBreaker(per_worker=True)
+    return policy
+
+
+def workload_seeds(n: int, draws: int, rates: str) -> None:
+    """Per workload seed, mean p90/p99 ratios to SGLang's rule (module doc)."""
+    for spec in rates.split(","):
+        name, _, r = spec.partition(":")
+        rate = float(r)
+        print(
+            f"\n{name}, {rate} req/s, workload seeds 0-{n - 1} x arrival seeds 1-{draws}"
+            "\n\n| workload seed | SGLang's rule p90 / p99 (s), mean | cache_aware (work) / it "
+            "| it with per-worker tie rotation / it |\n|---|---|---|---|"
+        )
+        p90s: dict[str, list[float]] = {"rule": [], "work": [], "rotated": []}
+        p99s: dict[str, list[float]] = {"rule": [], "work": [], "rotated": []}
+        for seed in range(n):
+            reqs, cfg = shape(name, seed)
+            prep = prepare(reqs, cfg.block_size)
+            runs: dict[str, list[ResultRow]] = {k: [] for k in p90s}
+            for d in range(1, draws + 1):
+                p = at_rate(prep, rate, d)
+                runs["rule"].append(run(p, "cache_aware", {"load_metric": "requests"}, cfg))
+                runs["work"].append(run(p, "cache_aware", {"load_metric": "work"}, cfg))
+                runs["rotated"].append(simulate(p, rule_rotated, cfg))
+            m90 = {k: float(np.mean([x.ttft_p90 for x in v])) for k, v in runs.items()}
+            m99 = {k: float(np.mean([x.ttft_p99 for x in v])) for k, v in runs.items()}
+            for k in p90s:
+                p90s[k] += [x.ttft_p90 for x in runs[k]]
+                p99s[k] += [x.ttft_p99 for x in runs[k]]
+            print(
+                f"| {seed} | {m90['rule']:.4f} / {m99['rule']:.3f} "
+                f"| {m90['work'] / m90['rule']:.2f} / {m99['work'] / m99['rule']:.2f} "
+                f"| {m90['rotated'] / m90['rule']:.2f} / {m99['rotated'] / m99['rule']:.2f} |",
+                flush=True,
+            )
+        b90, b99 = np.array(p90s["rule"]), np.array(p99s["rule"])
+        for k, label in (("work", "cache_aware (work)"), ("rotated", "rule, per-worker ties")):
+            a90, a99 = np.array(p90s[k]), np.array(p99s[k])
+            ratio = a90 / b90
+            print(
+                f"| all {n * draws} runs, {label} | | p90 {a90.mean() / b90.mean():.3f} "
+                f"(median ratio {np.median(ratio):.3f}, worse / better by >5%: "
+                f"{int((ratio > 1.05).sum())} / {int((ratio < 1 / 1.05).sum())}), "
+                f"p99 {a99.mean() / b99.mean():.3f} | |"
+            )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arrivals", type=int, default=0, help="arrival draws (module doc)")
     ap.add_argument("--rates", default="gsp8:27.3,hetero:27.3", help="shape:rate,...")
     ap.add_argument("--capacity", action="store_true", help="also sweep capacity per draw")
     ap.add_argument("--bisect", type=int, default=4)
+    ap.add_argument("--workload-seeds", type=int, default=0, help="workload seeds (module doc)")
     a = ap.parse_args()
+    if a.workload_seeds:
+        workload_seeds(a.workload_seeds, a.arrivals or 6, a.rates)
+        return 0
     if a.arrivals:
         arrivals(a.arrivals, a.rates, a.capacity, a.bisect)
         return 0
