@@ -214,8 +214,8 @@ class FastBPE:
 
     tiktoken encodes only what its regex matches and drops the rest, where
     ``tokenizers`` keeps an unmatched stretch as a piece of its own. Every piece's output
-    is therefore checked to cover the piece's bytes (a sum over a table of token
-    lengths); a piece with stretches the regex does not match is split here instead,
+    is therefore checked to cover the piece's bytes (the length of the tokens' bytes
+    joined); a piece with stretches the regex does not match is split here instead,
     keeping them, and each part is merged as one unit.
     """
 
@@ -262,12 +262,8 @@ class FastBPE:
         self._last = regex.compile(patterns[-1])
         self._presplit = [regex.compile(p) for p in patterns[:-1]]
         self._nfc = nfc
-        lengths = [0] * (max(ranks.values()) + 1)
-        for token, i in ranks.items():
-            lengths[i] = len(token)
-        self._lengths = lengths
         # The longest token in bytes: a text of B bytes has at least ceil(B / this) tokens.
-        self.max_token_bytes = max(lengths)
+        self.max_token_bytes = max(map(len, ranks))
         # The head of a text can be cut off at a piece boundary only when the last regex
         # alone pre-tokenizes and never looks behind a match's start (see ``split_head``).
         self._splittable = not self._presplit and not _LOOKS_BEHIND.search(patterns[-1])
@@ -344,20 +340,23 @@ class FastBPE:
         if self._fallback is not None and self._recent(text):
             return self._fallback(text)
         text = self.normalize(text)
-        pieces = _isolate(self._presplit, text) if self._presplit else (text,)
+        if not self._presplit:
+            return self._encode_piece(text)
         out: list[int] = []
-        lengths = self._lengths.__getitem__
-        plain = self._plain
-        for piece in pieces:
-            if plain is not None and self._no_runs(piece):
-                ids = plain.encode_ordinary(piece)
-            else:
-                ids = self._encoding.encode_ordinary(piece)
-            if sum(map(lengths, ids)) != len(piece.encode("utf-8", "surrogatepass")):
-                whole = self._whole.encode_ordinary
-                ids = [i for part in _isolate([self._last], piece) for i in whole(part)]
-            out += ids
+        for piece in _isolate(self._presplit, text):
+            out += self._encode_piece(piece)
         return out
+
+    def _encode_piece(self, piece: str) -> list[int]:
+        plain = self._plain
+        encoding = plain if plain is not None and self._no_runs(piece) else self._encoding
+        ids = encoding.encode_ordinary(piece)
+        # Did the regex cover the whole piece? (tiktoken joining the tokens' bytes: 5 µs
+        # for 500 tokens, against 7.5 for summing a table of lengths in Python.)
+        if len(encoding.decode_bytes(ids)) != len(piece.encode("utf-8", "surrogatepass")):
+            whole = self._whole.encode_ordinary
+            ids = [i for part in _isolate([self._last], piece) for i in whole(part)]
+        return ids
 
 
 def _isolate(patterns: Sequence[Any], text: str) -> Sequence[str]:
