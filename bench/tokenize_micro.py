@@ -12,6 +12,7 @@ full in the first two variants.
 
     python bench/tokenize_micro.py --requests 200 --rounds 5
     python bench/tokenize_micro.py --requests 200 --rounds 5 --turns 4   # histories
+    python bench/tokenize_micro.py --requests 200 --rounds 5 --ascii    # ASCII words only
     python bench/tokenize_micro.py --offload   # the thread hop against encoding inline
 
 The variant "fast BPE, lookahead kept" is the fast BPE with its lookahead-free split
@@ -54,6 +55,11 @@ def main() -> None:
         "--turns", type=int, default=0, help="earlier user/assistant turns before the new message"
     )
     p.add_argument(
+        "--ascii",
+        action="store_true",
+        help="ASCII words only (as bench/router_overhead.py's prompts), no accents, CJK or emoji",
+    )
+    p.add_argument(
         "--offload",
         action="store_true",
         help="measure what a thread hop costs against encoding on the loop, and exit",
@@ -64,8 +70,10 @@ def main() -> None:
         offload_costs(rng)
         return
 
+    words = [w for w in WORDS if w.isascii()] if args.ascii else WORDS
+
     def text(n: int) -> str:
-        return " ".join(rng.choice(WORDS) for _ in range(n))
+        return " ".join(rng.choice(words) for _ in range(n))
 
     systems = [text(args.system_words) for _ in range(8)]
     qwen = default_tokenizer_dir()
