@@ -282,6 +282,12 @@ def test_whitespace_runs_send_a_text_to_the_lookahead_pattern() -> None:
     assert fast.encode("a\u3000\u2003b") == [ord("a"), 0xE3, 0x80, 0x80, em_b]
     assert fast.encode("a \n  b") == [ord("a"), ord(" "), ord("\n"), ord(" "), space_b]
     assert fast.encode("a b  \n") == [ord("a"), space_b, space2, ord("\n")]
+    # Without a line-break alternative before it, a run of line breaks counts too.
+    ranks[b"\n\n"] = len(ranks)
+    bare = bpe.FastBPE(ranks, [r"[a-z]+|\s+(?!\S)|\s+"], nfc=False)
+    assert bare.lookahead_free
+    assert bare.encode("a\n\nb") == [ord("a"), ord("\n"), ord("\n"), ord("b")]
+    assert bare.encode("a\n\n") == [ord("a"), ranks[b"\n\n"]]
     # A pattern with another lookaround, or without the lookahead ending: never.
     assert not bpe.FastBPE(ranks, [r"a(?=b)|\s+(?!\S)|\s+"], nfc=False).lookahead_free
     assert not bpe.FastBPE(ranks, [r"[a-z]+|\s+"], nfc=False).lookahead_free
