@@ -12,6 +12,11 @@ full in the first two variants.
 
     python bench/tokenize_micro.py --requests 200 --rounds 5
     python bench/tokenize_micro.py --requests 200 --rounds 5 --turns 4   # histories
+    python bench/tokenize_micro.py --requests 200 --rounds 5 --ascii    # ASCII words only
+    python bench/tokenize_micro.py --offload   # the thread hop against encoding inline
+
+The variant "fast BPE, lookahead kept" is the fast BPE with its lookahead-free split
+turned off (``kvroute.routing.bpe``, "Whitespace lookahead"): the split as it was.
 
 A second table compares routing the same requests with ``cache_aware --load-metric
 requests`` (two workers, idle) on the whole prompt and with decide first
@@ -49,19 +54,38 @@ def main() -> None:
     p.add_argument(
         "--turns", type=int, default=0, help="earlier user/assistant turns before the new message"
     )
+    p.add_argument(
+        "--ascii",
+        action="store_true",
+        help="ASCII words only (as bench/router_overhead.py's prompts), no accents, CJK or emoji",
+    )
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="measure what a thread hop costs against encoding on the loop, and exit",
+    )
     args = p.parse_args()
     rng = random.Random(0)
+    if args.offload:
+        offload_costs(rng)
+        return
+
+    words = [w for w in WORDS if w.isascii()] if args.ascii else WORDS
 
     def text(n: int) -> str:
-        return " ".join(rng.choice(WORDS) for _ in range(n))
+        return " ".join(rng.choice(words) for _ in range(n))
 
     systems = [text(args.system_words) for _ in range(8)]
     qwen = default_tokenizer_dir()
     variants = {
         "tokenizers": PromptTokenizer(qwen, fast_bpe=False, template_cache=False),
         "fast BPE": PromptTokenizer(qwen, template_cache=False),
+        "fast BPE + template cache, lookahead kept": PromptTokenizer(qwen),
         "fast BPE + template cache": PromptTokenizer(qwen),
     }
+    kept = variants["fast BPE + template cache, lookahead kept"]._bpe
+    if kept is not None:
+        kept._plain = None
     cpu: dict[str, list[float]] = {k: [] for k in variants}
     loads = {"w0": 0, "w1": 0}
 
@@ -142,6 +166,50 @@ def main() -> None:
         a = statistics.median(total[name][1:])
         print(f"| {name} | {d:.0f} | {d / d0:.2f}x | {a:.0f} | {a / a0:.2f}x |")
     print(f"\ndecided early: {n_early} of {args.requests * args.rounds} requests")
+
+
+def offload_costs(rng: random.Random) -> None:
+    """CPU of an ``asyncio.to_thread`` hop (uvloop, a function that does nothing) and
+    of encoding 8,192 characters of several kinds of text with the fast BPE (what
+    ``kvroute.routing.tokenization.OFFLOAD_COST`` weighs)."""
+    import uvloop
+
+    CJK = "中文测试你好世界日本語のテキスト한국어，。"
+    bpe = PromptTokenizer(default_tokenizer_dir())._bpe
+    assert bpe is not None, "the fast BPE is needed"
+    kinds = {
+        "ASCII prose": lambda: " ".join(
+            f"{rng.choice(WORDS[:12])}{rng.randrange(100)}" for _ in range(1100)
+        ),
+        "indented code": lambda: "\n".join(
+            "    " * rng.randrange(4) + f"x = f(a, b)  # {rng.choice(WORDS[:12])}"
+            for _ in range(300)
+        ),
+        "CJK": lambda: "".join(rng.choice(CJK) for _ in range(8192)),
+        "emoji and Latin": lambda: "".join(rng.choice("😀👍🏽🇫🇷 aé") for _ in range(8192)),
+    }
+    print("| text | ns / character | 2,048 characters µs | 6,144 characters µs |")
+    print("|---|---:|---:|---:|")
+    for name, make in kinds.items():
+        texts = [make()[:8192] for _ in range(30)]
+        t0 = time.process_time()
+        for t in texts:
+            bpe.encode(t)
+        per = (time.process_time() - t0) / sum(map(len, texts))
+        print(f"| {name} | {per * 1e9:.0f} | {per * 2048e6:.0f} | {per * 6144e6:.0f} |")
+
+    async def hops() -> float:
+        def nothing() -> None:
+            return None
+
+        for _ in range(200):
+            await asyncio.to_thread(nothing)
+        t0 = time.process_time()
+        for _ in range(3000):
+            await asyncio.to_thread(nothing)
+        return (time.process_time() - t0) / 3000
+
+    print(f"\nthread hop (asyncio.to_thread under uvloop): {uvloop.run(hops()) * 1e6:.0f} µs CPU")
 
 
 if __name__ == "__main__":

@@ -167,6 +167,8 @@ OTHER_PROGRAMS = {
     "--workloads",  # bench/sim_shared_state.py
     "--bisect",  # bench/work_aware.py
     "--only",  # bench/work_aware.py
+    "--ascii",  # bench/tokenize_micro.py
+    "--offload",  # bench/tokenize_micro.py
     "--no-sweep",  # bench/work_aware.py
     "--modes",  # bench/sim_shared_state.py
     "--jitter-ms",  # bench/sim_shared_state.py

@@ -239,3 +239,69 @@ def test_the_encoder_follows_the_pipeline_transformers_runs(tmp_path: Path) -> N
     text = "Hello, world! How are you?"
     assert tok.encoder == "fast-bpe"
     assert list(tok.encode_text(text)) == tok._tok.encode(text, add_special_tokens=False)
+
+
+# Every whitespace character either regex engine knows, line breaks, and text around them.
+SPACE_CHARS = (
+    "\t\x0b\x0c\x1c\x1d\x1e\x1f \x85\xa0\u1680\u2000\u2007\u200a\u2028\u2029\u202f\u205f\u3000"
+)
+SPACY = st.lists(
+    st.one_of(
+        st.text(st.sampled_from(SPACE_CHARS + "\r\n"), min_size=1, max_size=6),
+        st.sampled_from(["a", "Word", "42", "!", "東京", "é", "'s", "\u200b", "😀"]),
+    ),
+    max_size=14,
+).map("".join)
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=SPACY)
+@example(text="a  b")
+@example(text="a\u3000\u2003b")
+@example(text="x \n  y")
+@example(text="x\x1c b")
+def test_the_lookahead_free_split_is_used_only_where_it_is_identical(
+    pair: tuple[bpe.FastBPE, Tokenizer, list[str]], text: str
+) -> None:
+    fast, hf, _ = pair
+    assert fast.lookahead_free  # both tokenizers' patterns end in \s+(?!\S)|\s+
+    assert fast.encode(text) == hf.encode(text, add_special_tokens=False).ids
+
+
+def test_whitespace_runs_send_a_text_to_the_lookahead_pattern() -> None:
+    """Where the lookahead changes the split, the lookahead-free pattern is not used."""
+    ranks = {bytes([b]): b for b in range(256)}
+    for token in (b"  ", b" b", b"\xe2\x80", b"\xe2\x80\x83", "\u2003b".encode()):
+        ranks[token] = len(ranks)
+    space2, space_b, em_b = 256, 257, 260
+    fast = bpe.FastBPE(ranks, [r"[^\r\n\p{L}]?\p{L}+|\s*[\r\n]+|\s+(?!\S)|\s+"], nfc=False)
+    assert fast.lookahead_free
+    # The lookahead leaves a run's last space to the word after it: "a" "  " " b"
+    # (without it: "a" "   " "b").
+    assert fast.encode("a   b") == [ord("a"), space2, space_b]
+    assert fast.encode("a\u3000\u2003b") == [ord("a"), 0xE3, 0x80, 0x80, em_b]
+    assert fast.encode("a \n  b") == [ord("a"), ord(" "), ord("\n"), ord(" "), space_b]
+    assert fast.encode("a b  \n") == [ord("a"), space_b, space2, ord("\n")]
+    # Without a line-break alternative before it, a run of line breaks counts too.
+    ranks[b"\n\n"] = len(ranks)
+    bare = bpe.FastBPE(ranks, [r"[a-z]+|\s+(?!\S)|\s+"], nfc=False)
+    assert bare.lookahead_free
+    assert bare.encode("a\n\nb") == [ord("a"), ord("\n"), ord("\n"), ord("b")]
+    assert bare.encode("a\n\n") == [ord("a"), ranks[b"\n\n"]]
+    # A pattern with another lookaround, or without the lookahead ending: never.
+    assert not bpe.FastBPE(ranks, [r"a(?=b)|\s+(?!\S)|\s+"], nfc=False).lookahead_free
+    assert not bpe.FastBPE(ranks, [r"[a-z]+|\s+"], nfc=False).lookahead_free
+
+
+def test_the_whitespace_test_covers_every_space_character() -> None:
+    """``bpe.SPACES`` holds every character ``str.isspace`` and Unicode White_Space (what
+    the regex crate's ``\\s`` matches) count as whitespace, line breaks apart."""
+    import re
+
+    white_space = [*range(0x09, 0x0E), 0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B)]
+    white_space += [0x2028, 0x2029, 0x202F, 0x205F, 0x3000]
+    spaces = re.compile(f"[{bpe.SPACES}]")
+    for cp in range(0x110000):
+        c = chr(cp)
+        expected = (c.isspace() or cp in white_space) and c not in "\r\n"
+        assert bool(spaces.match(c)) == expected, hex(cp)

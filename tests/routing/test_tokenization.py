@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import array
+
 import pytest
 
 from kvroute.errors import BadRequestError
+from kvroute.routing.decide_first import Prompt
 from kvroute.routing.tokenization import PromptTokenizer, default_tokenizer_dir, utf8_tokens
 
 QWEN = default_tokenizer_dir()
@@ -141,3 +144,47 @@ async def test_long_text_encoding_leaves_the_event_loop_free() -> None:
     threads.clear()
     await tok.tokens_for("completions", {"prompt": "a short question"})
     assert threads == [loop_thread]
+
+
+@needs_qwen
+@pytest.mark.parametrize(
+    ("text", "in_thread"),
+    [
+        ("word " * 1000, False),  # 5,000 ASCII characters: cheaper than the hop
+        ("word " * 1300, True),  # 6,500
+        ("東京 " * 660, False),  # 1,980 non-ASCII characters (weighed 3 each)
+        ("東京 " * 700, True),  # 2,100
+    ],
+)
+async def test_the_thread_hop_is_taken_by_the_encoding_cost(text: str, in_thread: bool) -> None:
+    """ASCII text is encoded on the loop up to 6,144 characters, other text up to 2,048
+    (it is ~3x slower per character), in a thread past that; the same IDs either way."""
+    import threading
+
+    assert QWEN is not None
+    tok = PromptTokenizer(QWEN)
+    encode = tok._encode_missing
+    threads: list[int] = []
+
+    def recording(texts: list[str]) -> dict[str, tuple[int, ...]]:
+        threads.append(threading.get_ident())
+        return encode(texts)
+
+    tok._encode_missing = recording  # type: ignore[method-assign]
+    ids = await tok.tokens_for("completions", {"prompt": text})
+    assert (threads != [threading.get_ident()]) is in_thread
+    assert list(ids) == tok._tok.encode(text)
+    # Decide first's rest: the same rule.
+    tok._cache.clear()
+    prompt = tok.partial_text(text)
+    assert prompt.pending
+    threads.clear()
+    finish = tok.finish
+
+    def finishing(p: Prompt) -> array.array[int]:
+        threads.append(threading.get_ident())
+        return finish(p)
+
+    tok.finish = finishing  # type: ignore[method-assign]
+    assert list(await tok.finish_async(prompt)) == list(ids)
+    assert (threads != [threading.get_ident()]) is in_thread

@@ -42,6 +42,7 @@ always rendered in full.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 from collections import OrderedDict
@@ -272,6 +273,12 @@ class Shape:
     steps: int  # the learning render's steps (the same for any texts giving the answers)
     sizes: list[tuple[int, list[int]]]  # (length, copies of each marker): tracked strings
     cost: int  # bytes, estimated
+    # ``text`` cut at the markers (each marker a part of its own): a render is one join.
+    parts: list[str]
+    # The longest tracked string and each marker's most copies in any: a bound that,
+    # when within the request's, saves checking every tracked string (``lookup``).
+    longest: int
+    most: list[int]
 
 
 class TemplateCache:
@@ -331,20 +338,19 @@ class TemplateCache:
         if any(self._tag in c for c in contents):
             self.misses += 1
             return None
-        grow = [len(c) - len(self._marker(i)) for i, c in zip(probed, contents, strict=True)]
-        for n, copies in shape.sizes:
-            if n + sum(k * g for k, g in zip(copies, grow, strict=True)) > bounds.max_chars:
-                self.misses += 1
-                return None
         fills = {self._marker(i): c for i, c in zip(probed, contents, strict=True)}
+        grow = [len(c) - len(m) for m, c in fills.items()]
+        bound = shape.longest + sum(k * max(g, 0) for k, g in zip(shape.most, grow, strict=True))
+        if bound > bounds.max_chars:
+            for n, copies in shape.sizes:  # the bound is over: check each tracked string
+                if n + sum(k * g for k, g in zip(copies, grow, strict=True)) > bounds.max_chars:
+                    self.misses += 1
+                    return None
         if not _holds(fills, shape.questions):
             self.misses += 1
             return None
         self.hits += 1
-        text = shape.text
-        for marker, content in fills.items():
-            text = text.replace(marker, content)
-        return text
+        return "".join([fills.get(part, part) for part in shape.parts])
 
     def observe(
         self,
@@ -422,7 +428,10 @@ class TemplateCache:
         order = [markers[i] for i in probed]
         sizes = [(len(t), [t.count(m) for m in order]) for t in rec.derived | {text}]
         cost = sys.getsizeof(text) + sum(sys.getsizeof(q[0]) + 200 for q in rec.questions)
-        return Shape(text, rec.questions, steps, sizes, cost)
+        parts = re.split("(" + "|".join(map(re.escape, order)) + ")", text)
+        longest = max(n for n, _ in sizes)
+        most = [max(copies[j] for _, copies in sizes) for j in range(len(order))]
+        return Shape(text, rec.questions, steps, sizes, 2 * cost, parts, longest, most)
 
     def stats(self) -> dict[str, int]:
         return {"hits": self.hits, "misses": self.misses, "shapes": len(self._shapes)}

@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, TypeAlias
 
 import numpy
@@ -63,10 +63,22 @@ log = logging.getLogger("kvroute.routing.tokenization")
 # (a 1,500-ID segment: 0.2 µs, against 15 µs from a tuple of ints).
 IDs: TypeAlias = "array.array[int]"
 
-# Texts longer than this (in characters still to encode) are encoded off the event loop.
-# The thread hop costs ~0.3 ms of CPU here, about what encoding 1,000 characters costs;
-# past 2,048 characters (~500 tokens) keeping the loop free is worth it.
-OFFLOAD_CHARS = 2048
+# Text still to encode past this cost goes to a worker thread; below it, it is encoded on
+# the event loop, which it blocks meanwhile. A thread hop costs ~70 µs of CPU (two
+# wake-ups; ``bench/tokenize_micro.py --offload``), as much as encoding ~2,500 characters
+# of ASCII prose, so short texts stay inline. The cost counts an ASCII character 1 and
+# any other 3: the fast BPE takes 25-60 ns per ASCII character (prose, indented code)
+# and up to ~170 ns per CJK character or emoji, so the loop is blocked at most ~0.4 ms
+# (6,144 characters of code, or 2,048 of CJK) on this project's machine.
+OFFLOAD_COST = 6144
+
+
+def offload(texts: Iterable[str]) -> bool:
+    """Whether encoding ``texts`` should leave the event loop (``OFFLOAD_COST``)."""
+    cost = 0
+    for text in texts:
+        cost += len(text) if text.isascii() else 3 * len(text)
+    return cost > OFFLOAD_COST
 
 
 def default_tokenizer_dir() -> str | None:
@@ -329,15 +341,15 @@ class PromptTokenizer:
     async def encode_text_async(
         self, text: str, *, add_special_tokens: bool = False
     ) -> array.array[int]:
-        """Like ``encode_text``; when the pieces not yet in the segment cache add up to
-        more than OFFLOAD_CHARS characters they are encoded in a worker thread, so the
-        event loop goes on serving other requests (and a second core can help)."""
+        """Like ``encode_text``; when the pieces not yet in the segment cache are long
+        (``offload``) they are encoded in a worker thread, so the event loop goes on
+        serving other requests (and a second core can help)."""
         if self._tok is None:
             return utf8_tokens(text)
         parts, missing = self._lookup(self._pieces(text))
         if not missing:
             found: dict[str, IDs] = {}
-        elif sum(len(t) for t in missing) > OFFLOAD_CHARS:
+        elif offload(missing):
             found = await asyncio.to_thread(self._encode_missing, missing)
         else:
             found = self._encode_missing(missing)
@@ -526,7 +538,7 @@ class PromptTokenizer:
     async def finish_async(self, prompt: Prompt) -> array.array[int]:
         """``finish`` in a worker thread when the text left is long (as
         ``encode_text_async``), else on the loop."""
-        if sum(len(t) for t in prompt.pending) > OFFLOAD_CHARS:
+        if offload(prompt.pending):
             return await asyncio.to_thread(self.finish, prompt)
         return self.finish(prompt)
 

@@ -6,7 +6,7 @@ tokenizer side is ``kvroute.routing.partial``. Here: where it applies (the fast 
 engine events, no shared store, ``cache_aware`` on request counts, nothing quarantined),
 the rule asked with no ``await`` before the decision, and the rest finished after it: a
 short rest in a loop callback once the request's task has yielded at its send, a long
-one (over ``OFFLOAD_CHARS``) in a thread; then the whole prompt is inserted for the
+one (``offload``) in a thread; then the whole prompt is inserted for the
 chosen worker and becomes the request's route (and is recorded with ``--record``).
 ``Attempts`` settles every pending rest before each decision and after each attempt.
 """
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvroute.routing.decide_first import Prompt, Tail, decide_on
 from kvroute.routing.policies.base import Decision
-from kvroute.routing.tokenization import OFFLOAD_CHARS
+from kvroute.routing.tokenization import offload
 
 if TYPE_CHECKING:
     from kvroute.service.attempts import Job
@@ -88,7 +88,7 @@ class EarlyRouting:
             tail = Tail(lambda: s.tokenizer.finish(prompt), done)
             s.tokenizer.tails.add(tail)
             loop = asyncio.get_running_loop()
-            if sum(map(len, prompt.pending)) <= OFFLOAD_CHARS:
+            if not offload(prompt.pending):
                 loop.call_soon(self._settle, tail)  # cheaper than a task or a thread hop
                 return
             task = loop.create_task(self._finish(tail, prompt))
