@@ -22,12 +22,12 @@ from typing import Any
 
 import httpx
 import orjson
-from starlette.requests import Request
 from starlette.responses import Response
 
 from kvroute.errors import BadRequestError, error_body
 from kvroute.routing.policies.base import RouteRequest
 from kvroute.service.attempts import Job, answer_chunks
+from kvroute.service.incoming import Incoming
 from kvroute.service.proxy import (
     PASS_HEADERS,
     Forwarder,
@@ -67,12 +67,12 @@ class PassThrough(Forwarder):
     """Least-load forwarding with the bodies untouched; the attempts' rules for
     failures (``kvroute.service.attempts``): retries, moves, quarantine, 5xx retries."""
 
-    async def forward(self, request: Request, kind: str, path: str) -> Response:
+    async def forward(self, request: Incoming, kind: str, path: str) -> Response:
         s = self.s
         t0 = time.perf_counter()
         body = await read_body(request, s.settings.max_body_bytes)
         headers = self._headers(request)
-        content_type = request.headers.get("content-type")
+        content_type = request.header(b"content-type")
         if content_type:
             headers["content-type"] = content_type
         else:
