@@ -228,7 +228,7 @@ class Attempts:
         s.metrics.decisions_by[s.policy.name, decision.reason, source].inc()
         n = len(job.route.tokens)
         if s.policy.name == "cache_aware" and n:
-            s.metrics.matched_ratio.observe(decision.matched_tokens / n)
+            s.metrics.matched_ratio_fast.observe(decision.matched_tokens / n)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "%s %s -> %s (%s, %s, matched %d of %d tokens, attempt %d)",
