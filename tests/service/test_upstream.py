@@ -459,3 +459,49 @@ async def test_fast_path_renders_unexpected_errors_as_openai_500() -> None:
         # Other routes still go through FastAPI.
         assert (await c.get("/health")).status_code == 200
         assert (await c.get("/v1/completions")).status_code == 405
+
+
+def _no_request(*args: object, **kwargs: object) -> None:
+    raise AssertionError("an httpx.Request was built")
+
+
+async def test_forward_writes_the_request_as_the_transport_would(
+    two_servers: tuple[list[bytes], list[str]],
+) -> None:
+    """``Forward.post`` writes a plain-HTTP worker's request itself (no httpx.Request):
+    the same head, byte for byte, as the transport writes for the same request; a CR or
+    LF in a header is refused; a worker dropped and added back gets new connections."""
+    seen, urls = two_servers
+    client, pools = create_client(connect_s=2, first_byte_s=2, pool_s=2)
+    forward = upstream.Forward(client, pools)
+    headers = {"content-type": "application/json", "x-request-id": "r1", "accept": "*/*"}
+    try:
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(httpx.Request, "__init__", _no_request)
+            r = await forward.post(urls[0] + "/v1/chat/completions", b'{"a":1}', headers)
+        assert r.status_code == 200 and await r.aread() == b"ok"
+        raw = [(k.encode(), v.encode()) for k, v in headers.items()]
+        raw += [(b"host", urls[0].removeprefix("http://").encode()), (b"content-length", b"7")]
+        raw.append((b"user-agent", b"kvroute"))
+        old = httpx.Request(
+            "POST",
+            urls[0] + "/v1/chat/completions",
+            stream=httpx.ByteStream(b'{"a":1}'),
+            headers=raw,
+            extensions=forward.extensions,
+        )
+        r = await pools.handle_async_request(old)
+        await r.aread()
+        assert len(seen) == 2 and seen[0] == seen[1]
+        assert seen[0].startswith(b"POST /v1/chat/completions HTTP/1.1\r\n")
+        with pytest.raises(httpx.LocalProtocolError):
+            await forward.post(urls[0] + "/x", b"{}", {"x-request-id": "a\r\nx-evil: 1"})
+        assert len(seen) == 2  # nothing went out
+        assert pools.connections() == 1
+        await pools.drop(urls[0])
+        assert pools.connections() == 0
+        r = await forward.post(urls[0] + "/v1/chat/completions", b"{}", headers)
+        assert r.status_code == 200 and await r.aread() == b"ok"
+        assert pools.connections() == 1  # a new pool, not the dropped one
+    finally:
+        await client.aclose()

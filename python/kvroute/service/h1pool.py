@@ -374,17 +374,29 @@ def _head(request: httpx.Request, body: bytes) -> bytes:
         n += 1
     lines.append(b"\r\n")
     head = b"".join(lines)
-    # A CR or LF inside a header name or value would add a line (header injection).
-    if head.count(b"\n") != n or head.count(b"\r") != n:
-        raise httpx.LocalProtocolError("a request header contains CR or LF")
+    check_head(head, n)
     return head
+
+
+def check_head(head: bytes, lines: int) -> None:
+    """Refuse a request head with a CR or LF inside a header name or value (it would
+    add a line: header injection). ``lines``: the line ends it should have."""
+    if head.count(b"\n") != lines or head.count(b"\r") != lines:
+        raise httpx.LocalProtocolError("a request header contains CR or LF")
 
 
 async def send(origin: Origin, request: httpx.Request) -> httpx.Response:
     """Send ``request`` over one of ``origin``'s connections; the response streams."""
     timeouts: dict[str, Any] = request.extensions.get("timeout", {})
     body = await request.aread()
-    data = _head(request, body) + body
+    return await exchange(origin, _head(request, body) + body, timeouts)
+
+
+async def exchange(
+    origin: Origin, data: bytes, timeouts: dict[str, float | None]
+) -> httpx.Response:
+    """Send a whole request (``data``: head and body) over one of ``origin``'s
+    connections; the response streams."""
     for attempt in range(STALE_RETRIES + 1):
         try:
             conn = await origin.acquire(timeouts)
