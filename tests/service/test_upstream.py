@@ -505,3 +505,46 @@ async def test_forward_writes_the_request_as_the_transport_would(
         assert pools.connections() == 1  # a new pool, not the dropped one
     finally:
         await client.aclose()
+
+
+async def test_answers_read_whole_without_header_lookups_or_spare_exceptions(
+    serve: Callable[[Handler], Awaitable[str]], client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plain answer from the worker connections is read whole without httpx.Headers
+    lookups and without building the timeout exceptions it did not need; an answer with
+    a Content-Encoding still goes through httpx's decoder."""
+    import gzip
+
+    from kvroute.service.attempts import read_answer
+
+    packed = gzip.compress(b"unpacked")
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        while True:
+            path = (await _read_request(r)).split(b" ")[1]
+            if path == b"/gz":
+                w.write(_ok(packed, b"Content-Encoding: gzip\r\n"))
+            else:
+                w.write(_ok(b"hello", b"Content-Type: application/json\r\n"))
+            await w.drain()
+
+    url = await serve(handler)
+    c, pools = client
+    forward = upstream.Forward(c, pools)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("not on this path")
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(httpx.Headers, "__contains__", refuse)
+        m.setattr(httpx.Headers, "__getitem__", refuse)
+        m.setattr(httpx.TimeoutException, "__init__", refuse)
+        for _ in range(2):
+            answer = await forward.post(url + "/v1/completions", b"{}", {})
+            assert await read_answer(answer) == b"hello"
+            assert answer.is_closed
+        names = [k.lower() for k, _ in h1pool.raw_headers(answer)]
+        assert names == [b"content-length", b"content-type"]
+    assert pools.connections() == 1  # kept alive and reused
+    answer = await forward.post(url + "/gz", b"{}", {})
+    assert await read_answer(answer) == b"unpacked"

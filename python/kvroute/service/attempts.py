@@ -47,6 +47,8 @@ from kvroute.errors import BadRequestError, GatewayTimeoutError, UnavailableErro
 from kvroute.fleet.registry import Reservation
 from kvroute.routing.load import Ticket
 from kvroute.routing.policies.base import Decision, NoWorkerError, RouteRequest
+from kvroute.service.deadlines import Deadlines
+from kvroute.service.h1pool import raw_headers, read_whole
 from kvroute.service.quarantine import fingerprint, first_byte_secs
 
 if TYPE_CHECKING:
@@ -126,6 +128,7 @@ def retryable_answer(upstream: httpx.Response) -> bool:
 class Attempts:
     def __init__(self, state: RouterState) -> None:
         self.s = state
+        self._deadlines: Deadlines | None = None  # the attempts' timeouts (one timer)
 
     def first_byte_secs(self, prompt_tokens: int, output_tokens: int | None, stream: bool) -> float:
         st = self.s.settings
@@ -270,9 +273,12 @@ class Attempts:
         )
         upstream: httpx.Response | None = None
         left: list[str] = []
+        deadlines = self._deadlines
+        if deadlines is None or deadlines.loop is not loop:
+            deadlines = self._deadlines = Deadlines(loop)
         # Until the answer is complete (streams: until it begins) nothing reached the
         # client, so the request can still move if the worker leaves rotation.
-        scope = asyncio.timeout_at(loop.time() + min(first_byte_at, job.deadline) - start)
+        scope = deadlines.at(loop.time() + min(first_byte_at, job.deadline) - start)
 
         def on_leave(reason: str) -> None:
             left.append(reason)
@@ -366,13 +372,17 @@ def answer_chunks(upstream: httpx.Response) -> AsyncIterator[bytes]:
     """The answer's chunks as they arrive: decoded by httpx when the worker set a
     Content-Encoding, else straight off the transport's stream (the router sends no
     Accept-Encoding; this skips httpx's decoder and chunker chain, 3x cheaper)."""
-    if "content-encoding" in upstream.headers:
-        return upstream.aiter_bytes()
+    for name, _ in raw_headers(upstream):
+        if name.lower() == b"content-encoding":
+            return upstream.aiter_bytes()
     return upstream.stream.__aiter__()  # type: ignore[union-attr]
 
 
 async def read_answer(upstream: httpx.Response) -> bytes:
     """The whole answer (see ``answer_chunks``); the response is closed after."""
+    whole = await read_whole(upstream)  # the worker connections' own answers
+    if whole is not None:
+        return whole
     try:
         parts = [chunk async for chunk in answer_chunks(upstream)]
     finally:

@@ -27,6 +27,7 @@ from starlette.responses import Response
 from kvroute.errors import BadRequestError, error_body
 from kvroute.routing.policies.base import RouteRequest
 from kvroute.service.attempts import Job, answer_chunks
+from kvroute.service.h1pool import raw_headers
 from kvroute.service.incoming import Incoming
 from kvroute.service.proxy import (
     PASS_HEADERS,
@@ -104,7 +105,7 @@ class PassThrough(Forwarder):
         answer = await self.attempts.run(job)
         upstream, worker, res = answer.upstream, answer.decision.worker, answer.reservation
         raw = [(b"x-kvroute-worker", worker.encode()), (b"x-request-id", rid.encode())]
-        raw += [(k.lower(), v) for k, v in upstream.headers.raw if k.lower() in PASS_HEADERS]
+        raw += [(k.lower(), v) for k, v in raw_headers(upstream) if k.lower() in PASS_HEADERS]
         status = upstream.status_code
         if answer.streaming:
             return ProxyStream(

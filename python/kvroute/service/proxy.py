@@ -50,6 +50,7 @@ from kvroute.routing.load import Ticket, max_tokens_of
 from kvroute.routing.policies.base import RouteRequest
 from kvroute.service.attempts import Attempts, Job, answer_chunks, usage
 from kvroute.service.early import EarlyRouting
+from kvroute.service.h1pool import raw_headers
 from kvroute.service.incoming import Incoming
 from kvroute.service.quarantine import fingerprint, output_tokens
 from kvroute.service.routes import for_index
@@ -255,7 +256,7 @@ class Forwarder:
         upstream, decision, res = answer.upstream, answer.decision, answer.reservation
         source = "precise" if decision.precise else "approximate"
         raw = [(b"x-kvroute-worker", decision.worker.encode()), (b"x-request-id", rid.encode())]
-        for name, value in upstream.headers.raw:
+        for name, value in raw_headers(upstream):
             name = name.lower()
             if name in PASS_HEADERS:
                 raw.append((name, value))
