@@ -111,3 +111,30 @@ async def test_admission_slot_taken_and_given_back_without_await() -> None:
     await asyncio.wait_for(waiter, 5)
     assert adm.active == 1 and adm.waiting == 0
     assert adm.try_release() and adm.active == 0
+
+
+async def test_reported_reuse_counted_once_per_whole_answer() -> None:
+    """A whole answer's usage is read once (for the work model) and counted in the
+    predicted-against-reported reuse metrics from that reading."""
+    usage = {
+        "prompt_tokens": 7,
+        "completion_tokens": 2,
+        "prompt_tokens_details": {"cached_tokens": 3},
+    }
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"choices": [{"text": "ok"}], "usage": usage})
+
+    app = create_app(Settings(worker_urls=[WORKER], policy="round_robin").validate())
+    async with app.router.lifespan_context(app):
+        state = app.state.router
+        await state.use_transport(httpx.MockTransport(handle))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://r") as client:
+            for _ in range(2):
+                r = await client.post("/v1/completions", json={"prompt": "hi"})
+                assert r.status_code == 200
+        text = state.metrics.render().decode()
+    assert 'kvroute_reported_cached_tokens_total{source="approximate"} 6.0' in text
+    assert 'kvroute_reported_prompt_tokens_total{source="approximate"} 14.0' in text
+    assert 'kvroute_predicted_cached_tokens_total{source="approximate"} 0.0' in text

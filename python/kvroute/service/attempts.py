@@ -79,6 +79,8 @@ class Answer:
     content: bytes
     streaming: bool
     ticket: Ticket  # the request's predicted work on the worker
+    # A whole answer's usage as reported: (prompt_tokens, cached_tokens), None if absent.
+    reported: tuple[int | None, int | None] = (None, None)
 
     @property
     def status(self) -> int:
@@ -296,12 +298,13 @@ class Attempts:
                 s.metrics.ttfb_by[(job.kind,)].observe(time.perf_counter() - job.t0)
                 streaming = job.stream and upstream.status_code == 200
                 content = b""
+                reported: tuple[int | None, int | None] = (None, None)
                 if not streaming:  # a whole answer: not a prefill time to learn from
                     ticket.first_byte(time.monotonic(), learn=False)
                     content = await read_answer(upstream)
-                    usage(ticket, content)
+                    reported = usage(ticket, content)
                 s.registry.unwatch(worker, on_leave)
-                return Answer(upstream, decision, res, content, streaming, ticket)
+                return Answer(upstream, decision, res, content, streaming, ticket, reported)
         except TimeoutError:
             await abandon(upstream, res)
             if left:
@@ -407,12 +410,14 @@ def _usage_field(data: bytes, name: bytes) -> int | None:
     return int(m.group(1)) if m is not None else None
 
 
-def usage(ticket: Ticket, data: bytes) -> None:
+def usage(ticket: Ticket, data: bytes) -> tuple[int | None, int | None]:
     """What an answer's ``usage`` tells the work model: output tokens, and the prompt
     tokens the engine really prefilled (when it counts prompt tokens as the router does:
-    same tokenizer)."""
+    same tokenizer). Returns the reported (prompt_tokens, cached_tokens), for the
+    predicted-against-reported reuse counts (read once, here)."""
     ticket.output_tokens = _usage_field(data, b"completion_tokens")
     prompt = _usage_field(data, b"prompt_tokens")
     cached = _usage_field(data, b"cached_tokens")
     if prompt is not None and cached is not None and prompt == ticket.prompt_tokens:
         ticket.reported_uncached = max(0, prompt - cached)
+    return prompt, cached

@@ -8,7 +8,7 @@ parser buffer megabytes of headers. ``guarded_protocol`` subclasses uvicorn's
 ``HttpToolsProtocol`` with three guards:
 
 * header size: the bytes of the request line and headers are counted as they arrive
-  (raw bytes while the header is incomplete, then the parsed parts); past
+  (raw bytes while the header is incomplete, then the parsed parts when it is); past
   ``--max-header-bytes`` the client gets ``431 Request Header Fields Too Large`` and the
   connection closes.
 * header time: from the connection's start (or the first byte of a later request on a
@@ -53,6 +53,7 @@ REQUEST_TIMEOUT = _response(b"408 Request Timeout", b"request not received in ti
 
 
 COALESCE_MAX = 256 * 1024  # bodies up to this size are joined to their head
+_BODY_HEADERS = (b"content-length", b"transfer-encoding")
 
 
 class _HeadHoldingTransport:
@@ -232,27 +233,26 @@ def guarded_protocol(
             self._header_bytes = 0
             self._arm_header_timer()
 
-        def on_url(self, url: bytes) -> None:
-            self._count(len(url))
-            super().on_url(url)
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            self._count(len(name) + len(value) + 4)
-            super().on_header(name, value)
-
-        def _count(self, n: int) -> None:
-            self._header_bytes += n
-            if self._header_bytes > max_header_bytes and not self._refused:
-                self._refuse(HEADER_TOO_LARGE)
-
         def on_headers_complete(self) -> None:
             self._in_header = False
             self._header_due = None  # the timer, if it fires, finds nothing due
             if self._refused:
                 return
+            # The parsed request line and headers, counted in one pass here rather than
+            # in a Python callback per header (the parser calls back for each); all of
+            # them arrived in the chunk being parsed, so the refusal comes no later.
+            size = self._header_bytes + len(self.url)
+            body = False
+            for name, value in self.headers:
+                size += len(name) + len(value) + 4
+                if name in _BODY_HEADERS and value.strip() not in (b"0", b""):
+                    body = True
+            self._header_bytes = size
+            if size > max_header_bytes:
+                self._refuse(HEADER_TOO_LARGE)
+                return
             super().on_headers_complete()
-            lengths = [v for k, v in self.headers if k in (b"content-length", b"transfer-encoding")]
-            if any(v.strip() not in (b"0", b"") for v in lengths):
+            if body:
                 self._arm_body_timer()
 
         def on_body(self, body: bytes) -> None:

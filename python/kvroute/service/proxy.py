@@ -280,7 +280,7 @@ class Forwarder:
         self._done(kind, upstream.status_code, t0)
         content = answer.content
         if upstream.status_code == 200:
-            self._reuse(content, decision.matched_tokens, source)
+            self._count_reuse(answer.reported, decision.matched_tokens, source)
         raw.append((b"content-length", str(len(content)).encode()))
         return RawResponse(content, upstream.status_code, raw)
 
@@ -315,11 +315,20 @@ class Forwarder:
         at = data.find(b'"cached_tokens"')
         m = CACHED_RE.match(data, at) if at >= 0 else None
         if m is not None:
-            self.s.metrics.predicted_by[(source,)].inc(predicted)
-            self.s.metrics.reported_by[(source,)].inc(int(m.group(1)))
             p = PROMPT_RE.search(data)
-            if p is not None:  # the workers' hit rate on /status
-                self.s.metrics.reported_prompt_by[(source,)].inc(int(p.group(1)))
+            prompt = int(p.group(1)) if p is not None else None
+            self._count_reuse((prompt, int(m.group(1))), predicted, source)
+
+    def _count_reuse(
+        self, reported: tuple[int | None, int | None], predicted: int, source: str
+    ) -> None:
+        prompt, cached = reported
+        if cached is not None:
+            m = self.s.metrics
+            m.predicted_by[(source,)].inc(predicted)
+            m.reported_by[(source,)].inc(cached)
+            if prompt is not None:  # the workers' hit rate on /status
+                m.reported_prompt_by[(source,)].inc(prompt)
 
     def _done(self, kind: str, status: int, t0: float) -> None:
         self.s.metrics.requests_by[kind, str(status)].inc()
