@@ -18,6 +18,9 @@ parser buffer megabytes of headers. ``guarded_protocol`` subclasses uvicorn's
   without a byte of it ends the request with ``408``; the app sees the client as gone.
   Time while reading is paused (the app has not consumed what arrived, e.g. while the
   request waits for admission) does not count.
+* keep-alive: uvicorn arms a timer for ``--keep-alive-timeout-secs`` after each
+  answer and cancels it when the next request arrives (a timer created and cancelled
+  per request); here that deadline goes behind the connection's one timer too.
 
 It also sends a response's head and the start of its body in one write: uvicorn writes
 the status line and headers as soon as the app starts the response, then the body as a
@@ -125,6 +128,7 @@ def guarded_protocol(
             # the timer, when it fires early, re-arms for whatever is still due.
             self._header_due: float | None = None
             self._body_due: float | None = None
+            self._idle_due: float | None = None  # uvicorn's keep-alive timeout
             self._timer: asyncio.TimerHandle | None = None
             self._timer_at = 0.0
             self._refused = False
@@ -134,8 +138,12 @@ def guarded_protocol(
 
         def _arm_header_timer(self) -> None:
             if self._header_due is None:
-                self._header_due = self.loop.time() + header_timeout_s
-                self._wake_at(self._header_due)
+                now = self.loop.time()
+                self._header_due = now + header_timeout_s
+                # No later than the keep-alive timeout this request's end will set: then
+                # that deadline never needs an earlier timer (the timer fires early at
+                # worst, once per that many seconds, and re-arms).
+                self._wake_at(now + min(header_timeout_s, self.timeout_keep_alive))
 
         def _arm_body_timer(self) -> None:
             self._body_due = self.loop.time() + body_timeout_s
@@ -158,15 +166,20 @@ def guarded_protocol(
             elif self._body_due is not None and now >= self._body_due:
                 self._body_due = None
                 self._body_late()
+            elif self._idle_due is not None and now >= self._idle_due:
+                self._idle_due = None
+                self.timeout_keep_alive_handler()  # uvicorn's: close the idle connection
             else:
-                dues = [d for d in (self._header_due, self._body_due) if d is not None]
+                dues = [
+                    d for d in (self._header_due, self._body_due, self._idle_due) if d is not None
+                ]
                 if dues:
                     self._wake_at(min(dues))
 
         def _cancel(self) -> None:
             if self._timer is not None:
                 self._timer.cancel()
-            self._timer = self._header_due = self._body_due = None
+            self._timer = self._header_due = self._body_due = self._idle_due = None
 
         def _refuse(self, response: bytes | None) -> None:
             """Answer ``response`` (unless a response is under way) and close."""
@@ -220,6 +233,7 @@ def guarded_protocol(
         def data_received(self, data: bytes) -> None:
             if self._refused:
                 return
+            self._idle_due = None  # not idle (uvicorn cancels its keep-alive timer here)
             super().data_received(data)
             if self._in_header and not self._refused:
                 # Still inside the header after this chunk: all of it counts.
@@ -264,7 +278,16 @@ def guarded_protocol(
 
         def on_response_complete(self) -> None:
             self.transport.flush()  # type: ignore[attr-defined]  # a HEAD answer's head
-            super().on_response_complete()
+            if self.pipeline or self.transport.is_closing():
+                super().on_response_complete()
+                return
+            # uvicorn's own steps, but the keep-alive timeout is a deadline behind the
+            # connection's one timer instead of a timer created and cancelled per request.
+            self.server_state.total_requests += 1
+            self._unset_keepalive_if_required()
+            self.flow.resume_reading()
+            self._idle_due = self.loop.time() + self.timeout_keep_alive
+            self._wake_at(self._idle_due)
 
         def on_message_complete(self) -> None:
             if self._refused:
