@@ -232,7 +232,17 @@ class Connection(asyncio.Protocol):
                 httpx.WriteTimeout,
                 "write timed out",
             )
-        await _wait(self.head, timeouts.get("read"), httpx.ReadTimeout, "read timed out")
+        # _wait's steps, inlined (every request waits here: one frame less on resume).
+        head = self.head
+        limit_s = timeouts.get("read")
+        if limit_s is None:
+            await head
+            return
+        handle = self.loop.call_later(limit_s, _expire, head, httpx.ReadTimeout, "read timed out")
+        try:
+            await head
+        finally:
+            handle.cancel()
 
     def finish(self) -> None:
         """End the exchange: keep the connection for the next request or close it."""
