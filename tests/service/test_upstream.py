@@ -524,6 +524,14 @@ async def test_answers_read_whole_without_header_lookups_or_spare_exceptions(
             path = (await _read_request(r)).split(b" ")[1]
             if path == b"/gz":
                 w.write(_ok(packed, b"Content-Encoding: gzip\r\n"))
+            elif path == b"/late":  # the body after the head, in two pieces
+                w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n")
+                await w.drain()
+                await asyncio.sleep(0.05)
+                w.write(b"late ")
+                await w.drain()
+                await asyncio.sleep(0.05)
+                w.write(b"body!")
             else:
                 w.write(_ok(b"hello", b"Content-Type: application/json\r\n"))
             await w.drain()
@@ -545,6 +553,8 @@ async def test_answers_read_whole_without_header_lookups_or_spare_exceptions(
             assert answer.is_closed
         names = [k.lower() for k, _ in h1pool.raw_headers(answer)]
         assert names == [b"content-length", b"content-type"]
+        answer = await forward.post(url + "/late", b"{}", {})
+        assert await read_answer(answer) == b"late body!"
     assert pools.connections() == 1  # kept alive and reused
     answer = await forward.post(url + "/gz", b"{}", {})
     assert await read_answer(answer) == b"unpacked"

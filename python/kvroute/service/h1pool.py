@@ -270,17 +270,27 @@ class _Body(httpx.AsyncByteStream):
         self.raw_headers = conn.headers  # as received (a new list per answer)
 
     async def read_all(self) -> bytes:
-        """The rest of the body, whole (what iterating would yield, joined); when it
-        is all here already (a small answer), without an async generator."""
+        """The rest of the body, whole (what iterating would yield, joined), without
+        an async generator."""
         conn = self.conn
-        if conn.complete and not conn.reading_paused:
+        parts: list[bytes] = []
+        while True:
             chunks = conn.chunks
-            data = b"" if not chunks else chunks[0] if len(chunks) == 1 else b"".join(chunks)
-            chunks.clear()
-            conn.buffered = 0
-            return data
-        parts = [chunk async for chunk in self]
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+            if chunks:
+                parts += chunks
+                chunks.clear()
+                conn.buffered = 0
+                if conn.reading_paused and conn.transport is not None:
+                    conn.reading_paused = False
+                    conn.transport.resume_reading()
+                continue
+            if conn.complete:
+                break
+            if conn.error is not None:
+                raise conn.error
+            conn.waiter = conn.loop.create_future()
+            await _wait(conn.waiter, self.read_timeout, httpx.ReadTimeout, "read timed out")
+        return b"" if not parts else parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         conn = self.conn
