@@ -46,8 +46,9 @@ each router's system calls per request with ``strace -c -f`` (a count: unlike CP
 a shared machine does not blur it). ``--instructions N`` counts each floor and kvroute
 target's instructions per request (user space, the whole process) under valgrind's
 callgrind: a fresh instance per target, N requests at one connection, counting only
-after a warm-up; the count moves by well under 1% between runs of the same build, where
-CPU time on a shared machine moves by ±15%.
+after a warm-up. It moved by 1-6% between runs of the same build here (background work
+such as health checks runs on wall-clock time, which valgrind stretches ~50x), where CPU
+time on a shared machine moves by ±15% and more.
 
 Usage:
     .venv/bin/python bench/router_overhead.py            # 2-4 minutes on 2 shared cores
