@@ -138,3 +138,27 @@ async def test_reported_reuse_counted_once_per_whole_answer() -> None:
     assert 'kvroute_reported_cached_tokens_total{source="approximate"} 6.0' in text
     assert 'kvroute_reported_prompt_tokens_total{source="approximate"} 14.0' in text
     assert 'kvroute_predicted_cached_tokens_total{source="approximate"} 0.0' in text
+
+
+async def test_whole_answers_reserve_work_without_a_prediction(
+    router: tuple[httpx.AsyncClient, list[httpx.Request]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A non-streamed request's work is reserved (and released) without predicting its
+    time to first token: nothing reads that prediction for a whole answer."""
+    from kvroute.routing.load.model import LoadModel
+
+    client, _ = router
+    predicted: list[str] = []
+    ttft = LoadModel.ttft
+
+    def counting(self: LoadModel, worker: str, *args: Any, **kwargs: Any) -> float:
+        predicted.append(worker)
+        return ttft(self, worker, *args, **kwargs)
+
+    monkeypatch.setattr(LoadModel, "ttft", counting)
+    r = await client.post("/v1/completions", json={"prompt": "hello"})
+    assert r.status_code == 200 and predicted == []
+    r = await client.post("/v1/completions", json={"prompt": "hello", "stream": True})
+    assert r.status_code == 200 and predicted == [WORKER]
+    work = client._transport.app.state.router.work  # type: ignore[attr-defined]
+    assert work.workers[WORKER].requests == 0  # both released

@@ -253,8 +253,15 @@ class Attempts:
         if cached is None:
             cached = decision.matched_tokens
         prompt = len(job.route.tokens)
+        # Only a stream's first byte is a prefill time (a deadline to shorten, a speed
+        # to learn): a whole answer's ticket needs no predicted time to first token.
         return self.s.work.reserve(
-            decision.worker, prompt - cached, job.expected_out, time.monotonic(), cached
+            decision.worker,
+            prompt - cached,
+            job.expected_out,
+            time.monotonic(),
+            cached,
+            predict=job.stream,
         )
 
     def _rejected(self, job: Job, decision: Decision) -> None:
