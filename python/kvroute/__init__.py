@@ -16,8 +16,8 @@ it back (``tests/test_architecture.py`` checks both).
     ``quarantine``; their timeouts: ``deadlines``); ``passthrough`` forwards the routes
     with no prefix to follow by least load; ``upstream`` and ``h1pool`` are the
     per-worker connection pools; ``admission`` bounds concurrency and ``limits``
-    connections; ``openapi`` is the schema; ``metrics`` and ``status`` are what an
-    operator reads; ``connections`` bounds client connections (header size and time,
+    connections; ``openapi`` is the schema; ``metrics`` (``fastmetrics``) and ``status``
+    are what an operator reads; ``connections`` bounds client connections (header size and time,
     body pauses).
 ``fleet/``
     The workers as the router sees them: ``registry`` (load reservations, health state,
