@@ -43,7 +43,12 @@ CPU time so one can see whether the load generator, not the router, was the limi
 Router CPU is also split into its kernel part (``stime``): system calls and, on
 loopback, the receiving side's TCP work, which the sender pays. ``--syscalls N`` counts
 each router's system calls per request with ``strace -c -f`` (a count: unlike CPU time,
-a shared machine does not blur it).
+a shared machine does not blur it). ``--instructions N`` counts each floor and kvroute
+target's instructions per request (user space, the whole process) under valgrind's
+callgrind: a fresh instance per target, N requests at one connection, counting only
+after a warm-up. It moved by 1-6% between runs of the same build here (background work
+such as health checks runs on wall-clock time, which valgrind stretches ~50x), where CPU
+time on a shared machine moves by ±15% and more.
 
 Usage:
     .venv/bin/python bench/router_overhead.py            # 2-4 minutes on 2 shared cores
@@ -441,6 +446,34 @@ KVROUTE_TARGETS = (
 )
 
 
+def target_argv(
+    name: str, urls: list[str], port: int, tokenizer: str | None, baseline_python: str | None
+) -> list[str]:
+    """The command line of a floor or kvroute target listening on ``port``."""
+    from kvroute.eval.procs import kvroute_argv
+
+    if name in ("floor", "floor_pools"):
+        argv = [sys.executable, str(Path(__file__).resolve()), "--serve-floor", str(port)]
+        if name == "floor_pools":
+            argv.append("--floor-pools")
+        return [*argv, *urls]
+    policy = "round_robin" if "_rr" in name else "cache_aware"
+    argv = kvroute_argv("serve", "--worker-urls", *urls, "--port", str(port))
+    if name.startswith("base_"):
+        if baseline_python is None:
+            raise SystemExit(f"{name} needs --baseline-python")
+        argv[0] = baseline_python
+    level = "info" if name.endswith("_log") else "warning"
+    argv += ["--policy", policy, "--log-level", level]
+    if name in ("kv_req", "kv_early"):
+        argv += ["--load-metric", "requests"]
+    if name == "kv_early":
+        argv.append("--decide-first")
+    if tokenizer and not name.endswith("_bytes"):
+        argv += ["--tokenizer", tokenizer]
+    return argv
+
+
 def start_targets(
     names: list[str], log_dir: str, tokenizer: str | None, baseline_python: str | None = None
 ) -> tuple[list[Any], dict[str, Any]]:
@@ -448,7 +481,7 @@ def start_targets(
     from concurrent.futures import ThreadPoolExecutor
 
     from kvroute.eval.peers import SGLANG, VLLM, start_peer
-    from kvroute.eval.procs import free_port, kvroute_argv, start_server
+    from kvroute.eval.procs import free_port, start_server
 
     def worker() -> Any:
         port = free_port()
@@ -456,28 +489,9 @@ def start_targets(
         return start_server(f"worker-{port}", argv, port, log_dir=log_dir)
 
     def router(name: str, urls: list[str]) -> Any:
-        if name in ("floor", "floor_pools"):
+        if name in ("floor", "floor_pools", *KVROUTE_TARGETS):
             port = free_port()
-            argv = [sys.executable, str(Path(__file__).resolve()), "--serve-floor", str(port)]
-            if name == "floor_pools":
-                argv.append("--floor-pools")
-            return start_server(name, [*argv, *urls], port, log_dir=log_dir)
-        if name in KVROUTE_TARGETS:
-            port = free_port()
-            policy = "round_robin" if "_rr" in name else "cache_aware"
-            argv = kvroute_argv("serve", "--worker-urls", *urls, "--port", str(port))
-            if name.startswith("base_"):
-                if baseline_python is None:
-                    raise SystemExit(f"{name} needs --baseline-python")
-                argv[0] = baseline_python
-            level = "info" if name.endswith("_log") else "warning"
-            argv += ["--policy", policy, "--log-level", level]
-            if name in ("kv_req", "kv_early"):
-                argv += ["--load-metric", "requests"]
-            if name == "kv_early":
-                argv.append("--decide-first")
-            if tokenizer and not name.endswith("_bytes"):
-                argv += ["--tokenizer", tokenizer]
+            argv = target_argv(name, urls, port, tokenizer, baseline_python)
             return start_server(name, argv, port, log_dir=log_dir, timeout_s=120)
         peer, policy = {"sgl_cache": (SGLANG, "cache_aware"), "vllm_rr": (VLLM, "round_robin")}[
             name
@@ -661,6 +675,58 @@ def count_syscalls(pool: LoadPool, names: list[str], targets: dict[str, Any], n:
         print(f"| {name} | {cells} | {sum(calls.values()):.2f} |")
 
 
+def count_instructions(
+    pool: LoadPool,
+    names: list[str],
+    urls: list[str],
+    n: int,
+    tokenizer: str | None,
+    baseline_python: str | None,
+    log_dir: str,
+) -> None:
+    """Instructions per request of each floor and kvroute target: a fresh instance under
+    valgrind's callgrind (counting off until warmed up), ``n`` requests at one connection.
+    A count of the whole router process (uvicorn, Python, C extensions; user space only:
+    the kernel's socket work is not in it) that a shared machine does not blur, unlike
+    CPU time. Rust peers are not counted (their instructions are not comparable work)."""
+    from kvroute.eval.procs import free_port, start_server
+
+    valgrind, control = shutil.which("valgrind"), shutil.which("callgrind_control")
+    if valgrind is None or control is None:
+        print("valgrind not installed (apt-get install valgrind)", file=sys.stderr)
+        return
+    counted: dict[str, float] = {}
+    for name in names:
+        if name not in ("floor", "floor_pools", *KVROUTE_TARGETS):
+            continue
+        port = free_port()
+        out = f"/tmp/router_overhead_callgrind_{name}.out"
+        for old in Path("/tmp").glob(f"router_overhead_callgrind_{name}.out*"):
+            old.unlink()
+        argv = [valgrind, "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
+        argv += target_argv(name, urls, port, tokenizer, baseline_python)
+        server = start_server(f"{name}-callgrind", argv, port, log_dir=log_dir, timeout_s=600)
+        try:
+            pool.run(server.url, -90, 50, 1)  # warm: connections, caches
+            subprocess.run([control, "-i", "on", str(server.pid)], capture_output=True, check=True)
+            res, _ = pool.run(server.url, 30_000, n, 1)
+            subprocess.run([control, "-i", "off", str(server.pid)], capture_output=True, check=True)
+        finally:
+            server.stop(grace_s=60.0)
+        total = 0
+        for f in Path("/tmp").glob(f"router_overhead_callgrind_{name}.out*"):
+            text = subprocess.run(["callgrind_annotate", str(f)], capture_output=True, text=True)
+            for line in text.stdout.splitlines():
+                if "PROGRAM TOTALS" in line:
+                    total += int(line.split()[0].replace(",", ""))
+        counted[name] = total / max(len(res.latencies), 1)
+        log(f"{name}: {counted[name]:,.0f} instructions per request")
+    print(f"\n### Instructions per request ({n} requests, 1 connection, callgrind)\n")
+    print("| target | instructions / request |\n|---|---:|")
+    for name, per in counted.items():
+        print(f"| {name} | {per:,.0f} |")
+
+
 T0 = time.monotonic()
 
 
@@ -709,6 +775,14 @@ def main() -> int:
         default=0,
         metavar="N",
         help="afterwards, count each router's system calls per request over N requests",
+    )
+    ap.add_argument(
+        "--instructions",
+        type=int,
+        default=0,
+        metavar="N",
+        help="afterwards, count each floor/kvroute target's instructions per request over N "
+        "requests (a fresh instance under valgrind's callgrind)",
     )
     ap.add_argument("--log-dir", default="/tmp/router_overhead_logs")
     ap.add_argument("--serve-worker", type=int, default=None, help=argparse.SUPPRESS)
@@ -818,6 +892,11 @@ def main() -> int:
                 )
         if args.syscalls > 0:
             count_syscalls(pool, names, targets, args.syscalls)
+        if args.instructions > 0:
+            urls = [s.url for s in servers[:2]]  # the two workers
+            count_instructions(
+                pool, names, urls, args.instructions, tokenizer, args.baseline_python, args.log_dir
+            )
         order = [args.profile_target] if args.profile_target else ["kv_cache", "kv_rr"]
         profiled = next((t for t in order if t in targets), None)
         if args.profile > 0 and profiled is not None:

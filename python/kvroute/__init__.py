@@ -8,16 +8,17 @@ it back (``tests/test_architecture.py`` checks both).
 
 ``service/``
     The HTTP service. ``app`` builds the FastAPI app (lifespan, endpoints, auth);
-    ``fastpath`` hands POSTs to the proxied paths (``routes``) straight to the handler,
-    every request through the ``accesslog``; ``state`` holds what one app owns
-    (registry, policy, index, tokenizer, client, metrics); ``proxy`` forwards a request
-    and streams the answer back; ``attempts`` runs its tries on workers and decides what
-    a failure means (retry, move, quarantine: ``quarantine``); ``passthrough`` forwards
-    the routes with no prefix to follow by least load;
-    ``upstream`` and ``h1pool`` are the per-worker connection pools; ``admission``
-    bounds concurrency and ``limits`` connections; ``openapi`` is the schema;
-    ``metrics`` and ``status`` are what an operator reads;
-    ``connections`` bounds client connections (header size and time, body pauses).
+    ``fastpath`` hands POSTs to the proxied paths (``routes``) straight to the handler
+    (as an ``incoming.Incoming``), every request through the ``accesslog``; ``state``
+    holds what one app owns (registry, policy, index, tokenizer, client, metrics);
+    ``proxy`` forwards a request and streams the answer back; ``attempts`` runs its
+    tries on workers and decides what a failure means (retry, move, quarantine:
+    ``quarantine``; their timeouts: ``deadlines``); ``passthrough`` forwards the routes
+    with no prefix to follow by least load; ``upstream`` and ``h1pool`` are the
+    per-worker connection pools; ``admission`` bounds concurrency and ``limits``
+    connections; ``openapi`` is the schema; ``metrics`` (``fastmetrics``) and ``status``
+    are what an operator reads; ``connections`` bounds client connections (header size and time,
+    body pauses).
 ``fleet/``
     The workers as the router sees them: ``registry`` (load reservations, health state,
     circuit breaker), ``health`` (active checks, engines' load read after them),

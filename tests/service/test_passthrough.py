@@ -188,8 +188,11 @@ async def test_responses_api_is_routed_like_chat(caplog: pytest.LogCaptureFixtur
     assert first == second and state.index.cached_tokens(first) == expected
     logged = [r for r in caplog.records if r.name == "kvroute.access" and r.status == 200]  # type: ignore[attr-defined]
     assert [r.prompt_tokens for r in logged] == [expected, expected]  # type: ignore[attr-defined]
-    hits = state.metrics.decisions_by["cache_aware", "cache_hit", "approximate"]
-    assert hits._value.get() == 1
+    text = state.metrics.render().decode()
+    assert (
+        'kvroute_routing_decisions_total{policy="cache_aware",reason="cache_hit",'
+        'source="approximate"} 1.0'
+    ) in text
 
 
 async def test_a_named_model_goes_to_the_workers_that_serve_it() -> None:

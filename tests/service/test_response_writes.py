@@ -94,3 +94,55 @@ def test_abort_drops_the_held_head() -> None:
     t.write(HEAD)
     t.abort()
     assert rec.writes == [] and rec.events == ["abort"]
+
+
+async def test_keep_alive_deadline_needs_no_timer_per_request() -> None:
+    """The keep-alive timeout after each answer is a deadline behind the connection's
+    one timer (no uvicorn timer created and cancelled per request), and an idle
+    kept-alive connection is still closed when it runs out."""
+    import asyncio
+
+    import uvicorn
+
+    from kvroute.eval.procs import free_port
+    from kvroute.service.connections import guarded_protocol
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await receive()
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]}
+        )
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    port = free_port()
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=port,
+        http=guarded_protocol(8192, 5.0, 5.0),
+        timeout_keep_alive=0.3,
+        lifespan="off",
+        log_level="warning",
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    try:
+        for _ in range(500):
+            if server.started:
+                break
+            await asyncio.sleep(0.01)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        for _ in range(5):
+            writer.write(b"GET /x HTTP/1.1\r\nhost: a\r\n\r\n")
+            answer = await asyncio.wait_for(reader.readuntil(b"ok"), 5)
+            assert answer.startswith(b"HTTP/1.1 200 ")
+            (proto,) = server.server_state.connections
+            assert proto.timeout_keep_alive_task is None  # type: ignore[attr-defined]
+        # Idle past the keep-alive timeout: the router closes the connection.
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)

@@ -459,3 +459,102 @@ async def test_fast_path_renders_unexpected_errors_as_openai_500() -> None:
         # Other routes still go through FastAPI.
         assert (await c.get("/health")).status_code == 200
         assert (await c.get("/v1/completions")).status_code == 405
+
+
+def _no_request(*args: object, **kwargs: object) -> None:
+    raise AssertionError("an httpx.Request was built")
+
+
+async def test_forward_writes_the_request_as_the_transport_would(
+    two_servers: tuple[list[bytes], list[str]],
+) -> None:
+    """``Forward.post`` writes a plain-HTTP worker's request itself (no httpx.Request):
+    the same head, byte for byte, as the transport writes for the same request; a CR or
+    LF in a header is refused; a worker dropped and added back gets new connections."""
+    seen, urls = two_servers
+    client, pools = create_client(connect_s=2, first_byte_s=2, pool_s=2)
+    forward = upstream.Forward(client, pools)
+    headers = {"content-type": "application/json", "x-request-id": "r1", "accept": "*/*"}
+    try:
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(httpx.Request, "__init__", _no_request)
+            r = await forward.post(urls[0] + "/v1/chat/completions", b'{"a":1}', headers)
+        assert r.status_code == 200 and await r.aread() == b"ok"
+        raw = [(k.encode(), v.encode()) for k, v in headers.items()]
+        raw += [(b"host", urls[0].removeprefix("http://").encode()), (b"content-length", b"7")]
+        raw.append((b"user-agent", b"kvroute"))
+        old = httpx.Request(
+            "POST",
+            urls[0] + "/v1/chat/completions",
+            stream=httpx.ByteStream(b'{"a":1}'),
+            headers=raw,
+            extensions=forward.extensions,
+        )
+        r = await pools.handle_async_request(old)
+        await r.aread()
+        assert len(seen) == 2 and seen[0] == seen[1]
+        assert seen[0].startswith(b"POST /v1/chat/completions HTTP/1.1\r\n")
+        with pytest.raises(httpx.LocalProtocolError):
+            await forward.post(urls[0] + "/x", b"{}", {"x-request-id": "a\r\nx-evil: 1"})
+        assert len(seen) == 2  # nothing went out
+        assert pools.connections() == 1
+        await pools.drop(urls[0])
+        assert pools.connections() == 0
+        r = await forward.post(urls[0] + "/v1/chat/completions", b"{}", headers)
+        assert r.status_code == 200 and await r.aread() == b"ok"
+        assert pools.connections() == 1  # a new pool, not the dropped one
+    finally:
+        await client.aclose()
+
+
+async def test_answers_read_whole_without_header_lookups_or_spare_exceptions(
+    serve: Callable[[Handler], Awaitable[str]], client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plain answer from the worker connections is read whole without httpx.Headers
+    lookups and without building the timeout exceptions it did not need; an answer with
+    a Content-Encoding still goes through httpx's decoder."""
+    import gzip
+
+    from kvroute.service.attempts import read_answer
+
+    packed = gzip.compress(b"unpacked")
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        while True:
+            path = (await _read_request(r)).split(b" ")[1]
+            if path == b"/gz":
+                w.write(_ok(packed, b"Content-Encoding: gzip\r\n"))
+            elif path == b"/late":  # the body after the head, in two pieces
+                w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n")
+                await w.drain()
+                await asyncio.sleep(0.05)
+                w.write(b"late ")
+                await w.drain()
+                await asyncio.sleep(0.05)
+                w.write(b"body!")
+            else:
+                w.write(_ok(b"hello", b"Content-Type: application/json\r\n"))
+            await w.drain()
+
+    url = await serve(handler)
+    c, pools = client
+    forward = upstream.Forward(c, pools)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("not on this path")
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(httpx.Headers, "__contains__", refuse)
+        m.setattr(httpx.Headers, "__getitem__", refuse)
+        m.setattr(httpx.TimeoutException, "__init__", refuse)
+        for _ in range(2):
+            answer = await forward.post(url + "/v1/completions", b"{}", {})
+            assert await read_answer(answer) == b"hello"
+            assert answer.is_closed
+        names = [k.lower() for k, _ in h1pool.raw_headers(answer)]
+        assert names == [b"content-length", b"content-type"]
+        answer = await forward.post(url + "/late", b"{}", {})
+        assert await read_answer(answer) == b"late body!"
+    assert pools.connections() == 1  # kept alive and reused
+    answer = await forward.post(url + "/gz", b"{}", {})
+    assert await read_answer(answer) == b"unpacked"

@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvroute.service.proxy import REQUEST_ID_RE
+from kvroute.service.proxy import REQUEST_ID_RE, new_request_id
 
 log = logging.getLogger("kvroute.access")
 
@@ -96,7 +95,7 @@ def _request_id(scope: Scope) -> str:
             if REQUEST_ID_RE.fullmatch(given):
                 return given
             break
-    rid = os.urandom(12).hex()
+    rid = new_request_id()
     scope["headers"] = [h for h in headers if h[0] != b"x-request-id"]
     scope["headers"].append((b"x-request-id", rid.encode()))
     return rid

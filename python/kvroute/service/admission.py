@@ -26,6 +26,23 @@ class Admission:
         # Told why a request was turned away ("queue_full", "queue_timeout"): metrics.
         self.on_reject: Callable[[str], None] = lambda reason: None
 
+    def try_acquire(self) -> bool:
+        """Take a slot now if one is free and nobody queues (no await); False: queue
+        with ``acquire``."""
+        if self.limit <= 0 or (self.active < self.limit and self.waiting == 0):
+            self.active += 1
+            return True
+        return False
+
+    def try_release(self) -> bool:
+        """Give the slot back now when nobody waits for one (no await); False: the
+        caller awaits ``release``, which wakes a waiter. (A queued request counts in
+        ``waiting`` from before it waits until it holds a slot or gives up.)"""
+        if self.limit <= 0 or self.waiting == 0:
+            self.active -= 1
+            return True
+        return False
+
     async def acquire(self) -> None:
         if self.limit <= 0:
             self.active += 1

@@ -41,6 +41,7 @@ from kvroute.fleet.urls import path_worker_url, worker_url_refusal
 from kvroute.routing.tokenization import PromptTokenizer
 from kvroute.service import openapi
 from kvroute.service.fastpath import RouterApp
+from kvroute.service.incoming import Incoming
 from kvroute.service.passthrough import PassThrough
 from kvroute.service.proxy import Forwarder, ProxyStream, parse_object, read_body
 from kvroute.service.routes import PASSTHROUGH_KINDS, ROUTES
@@ -52,8 +53,11 @@ from kvroute.service.upstream import Forward, create_client
 log = logging.getLogger("kvroute.service.app")
 
 
-def _bearer(request: Request) -> str:
-    auth = request.headers.get("authorization", "")
+def _bearer(request: Request | Incoming) -> str:
+    if isinstance(request, Incoming):
+        auth = request.header(b"authorization") or ""
+    else:
+        auth = request.headers.get("authorization", "")
     return auth[7:] if auth[:7].lower() == "bearer " else ""
 
 
@@ -153,7 +157,7 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
 
     # ------------------------------------------------------------- auth
 
-    def check_api_key(request: Request) -> None:
+    def check_api_key(request: Request | Incoming) -> None:
         key = state.settings.api_key
         if key and not _key_ok(_bearer(request), key):
             raise UnauthorizedError("missing or invalid API key (Authorization: Bearer ...)")
@@ -186,33 +190,39 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
             "shutting_down",
         )
 
-    async def inference(request: Request, kind: str, path: str) -> Response:
-        check_api_key(request)
-        # Past the shutdown grace period uvicorn cancels the request's task; answered here
-        # it becomes a clear 503 instead of uvicorn's bare 500 and a logged traceback.
-        try:
-            await state.admission.acquire()
-        except OverloadedError:
-            state.metrics.requests.labels(kind, "429").inc()
-            raise
-        except asyncio.CancelledError:
-            if state.draining:
-                return shutting_down(kind)
-            raise
+    admission = state.admission
+
+    async def inference(request: Incoming, kind: str, path: str) -> Response:
+        if state.settings.api_key:
+            check_api_key(request)
+        # A free slot is taken without an await (the common case); else the request
+        # queues. Past the shutdown grace period uvicorn cancels the request's task;
+        # answered here it becomes a clear 503 instead of uvicorn's bare 500 and a
+        # logged traceback.
+        if not admission.try_acquire():
+            try:
+                await admission.acquire()
+            except OverloadedError:
+                state.metrics.requests.labels(kind, "429").inc()
+                raise
+            except asyncio.CancelledError:
+                if state.draining:
+                    return shutting_down(kind)
+                raise
         try:
             via = passthrough if kind in PASSTHROUGH_KINDS else forwarder
             response = await via.forward(request, kind, path)
         except RouterError as e:
-            await state.admission.release()
+            await admission.release()
             state.metrics.requests.labels(kind, str(e.status)).inc()
             raise
         except asyncio.CancelledError:
-            await state.admission.release()
+            await admission.release()
             if state.draining:
                 return shutting_down(kind)
             raise
         except BaseException:
-            await state.admission.release()
+            await admission.release()
             raise
         if isinstance(response, ProxyStream):
             inner = response._cleanup
@@ -221,11 +231,11 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
                 try:
                     await inner()
                 finally:
-                    await state.admission.release()
+                    await admission.release()
 
             response._cleanup = cleanup
-        else:
-            await state.admission.release()
+        elif not admission.try_release():
+            await admission.release()
         return response
 
     app.inference = inference
@@ -234,7 +244,7 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
     # schema lists them (and a mounted app, whose paths differ, still routes them).
     def endpoint(kind: str, worker_path: str) -> Callable[[Request], Awaitable[Response]]:
         async def handle(request: Request) -> Response:
-            return await inference(request, kind, worker_path)
+            return await inference(Incoming(request.scope, request.receive), kind, worker_path)
 
         handle.__name__ = kind
         return handle
@@ -321,7 +331,7 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
     )
     async def add_worker(request: Request) -> Response:
         check_admin(request)
-        obj = parse_object(await read_body(request, 64 * 1024))
+        obj = parse_object(await read_body(Incoming(request.scope, request.receive), 64 * 1024))
         try:
             url = normalize_worker_url(obj.get("url"))  # type: ignore[arg-type]
         except ConfigError as e:

@@ -47,6 +47,8 @@ from kvroute.errors import BadRequestError, GatewayTimeoutError, UnavailableErro
 from kvroute.fleet.registry import Reservation
 from kvroute.routing.load import Ticket
 from kvroute.routing.policies.base import Decision, NoWorkerError, RouteRequest
+from kvroute.service.deadlines import Deadlines
+from kvroute.service.h1pool import raw_headers, read_whole
 from kvroute.service.quarantine import fingerprint, first_byte_secs
 
 if TYPE_CHECKING:
@@ -77,6 +79,8 @@ class Answer:
     content: bytes
     streaming: bool
     ticket: Ticket  # the request's predicted work on the worker
+    # A whole answer's usage as reported: (prompt_tokens, cached_tokens), None if absent.
+    reported: tuple[int | None, int | None] = (None, None)
 
     @property
     def status(self) -> int:
@@ -126,6 +130,7 @@ def retryable_answer(upstream: httpx.Response) -> bool:
 class Attempts:
     def __init__(self, state: RouterState) -> None:
         self.s = state
+        self._deadlines: Deadlines | None = None  # the attempts' timeouts (one timer)
 
     def first_byte_secs(self, prompt_tokens: int, output_tokens: int | None, stream: bool) -> float:
         st = self.s.settings
@@ -228,7 +233,7 @@ class Attempts:
         s.metrics.decisions_by[s.policy.name, decision.reason, source].inc()
         n = len(job.route.tokens)
         if s.policy.name == "cache_aware" and n:
-            s.metrics.matched_ratio.observe(decision.matched_tokens / n)
+            s.metrics.matched_ratio_fast.observe(decision.matched_tokens / n)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "%s %s -> %s (%s, %s, matched %d of %d tokens, attempt %d)",
@@ -248,8 +253,15 @@ class Attempts:
         if cached is None:
             cached = decision.matched_tokens
         prompt = len(job.route.tokens)
+        # Only a stream's first byte is a prefill time (a deadline to shorten, a speed
+        # to learn): a whole answer's ticket needs no predicted time to first token.
         return self.s.work.reserve(
-            decision.worker, prompt - cached, job.expected_out, time.monotonic(), cached
+            decision.worker,
+            prompt - cached,
+            job.expected_out,
+            time.monotonic(),
+            cached,
+            predict=job.stream,
         )
 
     def _rejected(self, job: Job, decision: Decision) -> None:
@@ -270,9 +282,12 @@ class Attempts:
         )
         upstream: httpx.Response | None = None
         left: list[str] = []
+        deadlines = self._deadlines
+        if deadlines is None or deadlines.loop is not loop:
+            deadlines = self._deadlines = Deadlines(loop)
         # Until the answer is complete (streams: until it begins) nothing reached the
         # client, so the request can still move if the worker leaves rotation.
-        scope = asyncio.timeout_at(loop.time() + min(first_byte_at, job.deadline) - start)
+        scope = deadlines.at(loop.time() + min(first_byte_at, job.deadline) - start)
 
         def on_leave(reason: str) -> None:
             left.append(reason)
@@ -290,12 +305,13 @@ class Attempts:
                 s.metrics.ttfb_by[(job.kind,)].observe(time.perf_counter() - job.t0)
                 streaming = job.stream and upstream.status_code == 200
                 content = b""
+                reported: tuple[int | None, int | None] = (None, None)
                 if not streaming:  # a whole answer: not a prefill time to learn from
                     ticket.first_byte(time.monotonic(), learn=False)
                     content = await read_answer(upstream)
-                    usage(ticket, content)
+                    reported = usage(ticket, content)
                 s.registry.unwatch(worker, on_leave)
-                return Answer(upstream, decision, res, content, streaming, ticket)
+                return Answer(upstream, decision, res, content, streaming, ticket, reported)
         except TimeoutError:
             await abandon(upstream, res)
             if left:
@@ -366,13 +382,17 @@ def answer_chunks(upstream: httpx.Response) -> AsyncIterator[bytes]:
     """The answer's chunks as they arrive: decoded by httpx when the worker set a
     Content-Encoding, else straight off the transport's stream (the router sends no
     Accept-Encoding; this skips httpx's decoder and chunker chain, 3x cheaper)."""
-    if "content-encoding" in upstream.headers:
-        return upstream.aiter_bytes()
+    for name, _ in raw_headers(upstream):
+        if name.lower() == b"content-encoding":
+            return upstream.aiter_bytes()
     return upstream.stream.__aiter__()  # type: ignore[union-attr]
 
 
 async def read_answer(upstream: httpx.Response) -> bytes:
     """The whole answer (see ``answer_chunks``); the response is closed after."""
+    whole = await read_whole(upstream)  # the worker connections' own answers
+    if whole is not None:
+        return whole
     try:
         parts = [chunk async for chunk in answer_chunks(upstream)]
     finally:
@@ -397,12 +417,14 @@ def _usage_field(data: bytes, name: bytes) -> int | None:
     return int(m.group(1)) if m is not None else None
 
 
-def usage(ticket: Ticket, data: bytes) -> None:
+def usage(ticket: Ticket, data: bytes) -> tuple[int | None, int | None]:
     """What an answer's ``usage`` tells the work model: output tokens, and the prompt
     tokens the engine really prefilled (when it counts prompt tokens as the router does:
-    same tokenizer)."""
+    same tokenizer). Returns the reported (prompt_tokens, cached_tokens), for the
+    predicted-against-reported reuse counts (read once, here)."""
     ticket.output_tokens = _usage_field(data, b"completion_tokens")
     prompt = _usage_field(data, b"prompt_tokens")
     cached = _usage_field(data, b"cached_tokens")
     if prompt is not None and cached is not None and prompt == ticket.prompt_tokens:
         ticket.reported_uncached = max(0, prompt - cached)
+    return prompt, cached

@@ -8,7 +8,7 @@ parser buffer megabytes of headers. ``guarded_protocol`` subclasses uvicorn's
 ``HttpToolsProtocol`` with three guards:
 
 * header size: the bytes of the request line and headers are counted as they arrive
-  (raw bytes while the header is incomplete, then the parsed parts); past
+  (raw bytes while the header is incomplete, then the parsed parts when it is); past
   ``--max-header-bytes`` the client gets ``431 Request Header Fields Too Large`` and the
   connection closes.
 * header time: from the connection's start (or the first byte of a later request on a
@@ -18,6 +18,9 @@ parser buffer megabytes of headers. ``guarded_protocol`` subclasses uvicorn's
   without a byte of it ends the request with ``408``; the app sees the client as gone.
   Time while reading is paused (the app has not consumed what arrived, e.g. while the
   request waits for admission) does not count.
+* keep-alive: uvicorn arms a timer for ``--keep-alive-timeout-secs`` after each
+  answer and cancels it when the next request arrives (a timer created and cancelled
+  per request); here that deadline goes behind the connection's one timer too.
 
 It also sends a response's head and the start of its body in one write: uvicorn writes
 the status line and headers as soon as the app starts the response, then the body as a
@@ -53,6 +56,7 @@ REQUEST_TIMEOUT = _response(b"408 Request Timeout", b"request not received in ti
 
 
 COALESCE_MAX = 256 * 1024  # bodies up to this size are joined to their head
+_BODY_HEADERS = (b"content-length", b"transfer-encoding")
 
 
 class _HeadHoldingTransport:
@@ -124,6 +128,7 @@ def guarded_protocol(
             # the timer, when it fires early, re-arms for whatever is still due.
             self._header_due: float | None = None
             self._body_due: float | None = None
+            self._idle_due: float | None = None  # uvicorn's keep-alive timeout
             self._timer: asyncio.TimerHandle | None = None
             self._timer_at = 0.0
             self._refused = False
@@ -133,8 +138,12 @@ def guarded_protocol(
 
         def _arm_header_timer(self) -> None:
             if self._header_due is None:
-                self._header_due = self.loop.time() + header_timeout_s
-                self._wake_at(self._header_due)
+                now = self.loop.time()
+                self._header_due = now + header_timeout_s
+                # No later than the keep-alive timeout this request's end will set: then
+                # that deadline never needs an earlier timer (the timer fires early at
+                # worst, once per that many seconds, and re-arms).
+                self._wake_at(now + min(header_timeout_s, self.timeout_keep_alive))
 
         def _arm_body_timer(self) -> None:
             self._body_due = self.loop.time() + body_timeout_s
@@ -157,15 +166,20 @@ def guarded_protocol(
             elif self._body_due is not None and now >= self._body_due:
                 self._body_due = None
                 self._body_late()
+            elif self._idle_due is not None and now >= self._idle_due:
+                self._idle_due = None
+                self.timeout_keep_alive_handler()  # uvicorn's: close the idle connection
             else:
-                dues = [d for d in (self._header_due, self._body_due) if d is not None]
+                dues = [
+                    d for d in (self._header_due, self._body_due, self._idle_due) if d is not None
+                ]
                 if dues:
                     self._wake_at(min(dues))
 
         def _cancel(self) -> None:
             if self._timer is not None:
                 self._timer.cancel()
-            self._timer = self._header_due = self._body_due = None
+            self._timer = self._header_due = self._body_due = self._idle_due = None
 
         def _refuse(self, response: bytes | None) -> None:
             """Answer ``response`` (unless a response is under way) and close."""
@@ -219,6 +233,7 @@ def guarded_protocol(
         def data_received(self, data: bytes) -> None:
             if self._refused:
                 return
+            self._idle_due = None  # not idle (uvicorn cancels its keep-alive timer here)
             super().data_received(data)
             if self._in_header and not self._refused:
                 # Still inside the header after this chunk: all of it counts.
@@ -232,27 +247,26 @@ def guarded_protocol(
             self._header_bytes = 0
             self._arm_header_timer()
 
-        def on_url(self, url: bytes) -> None:
-            self._count(len(url))
-            super().on_url(url)
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            self._count(len(name) + len(value) + 4)
-            super().on_header(name, value)
-
-        def _count(self, n: int) -> None:
-            self._header_bytes += n
-            if self._header_bytes > max_header_bytes and not self._refused:
-                self._refuse(HEADER_TOO_LARGE)
-
         def on_headers_complete(self) -> None:
             self._in_header = False
             self._header_due = None  # the timer, if it fires, finds nothing due
             if self._refused:
                 return
+            # The parsed request line and headers, counted in one pass here rather than
+            # in a Python callback per header (the parser calls back for each); all of
+            # them arrived in the chunk being parsed, so the refusal comes no later.
+            size = self._header_bytes + len(self.url)
+            body = False
+            for name, value in self.headers:
+                size += len(name) + len(value) + 4
+                if name in _BODY_HEADERS and value.strip() not in (b"0", b""):
+                    body = True
+            self._header_bytes = size
+            if size > max_header_bytes:
+                self._refuse(HEADER_TOO_LARGE)
+                return
             super().on_headers_complete()
-            lengths = [v for k, v in self.headers if k in (b"content-length", b"transfer-encoding")]
-            if any(v.strip() not in (b"0", b"") for v in lengths):
+            if body:
                 self._arm_body_timer()
 
         def on_body(self, body: bytes) -> None:
@@ -264,7 +278,16 @@ def guarded_protocol(
 
         def on_response_complete(self) -> None:
             self.transport.flush()  # type: ignore[attr-defined]  # a HEAD answer's head
-            super().on_response_complete()
+            if self.pipeline or self.transport.is_closing():
+                super().on_response_complete()
+                return
+            # uvicorn's own steps, but the keep-alive timeout is a deadline behind the
+            # connection's one timer instead of a timer created and cancelled per request.
+            self.server_state.total_requests += 1
+            self._unset_keepalive_if_required()
+            self.flow.resume_reading()
+            self._idle_due = self.loop.time() + self.timeout_keep_alive
+            self._wake_at(self._idle_due)
 
         def on_message_complete(self) -> None:
             if self._refused:

@@ -4,7 +4,8 @@ Every proxied request used to cross FastAPI's request wrapper, Starlette's route
 exception middleware and its error middleware (each wrapping ``send``): about a sixth
 of the router's CPU per request in py-spy profiles. ``RouterApp`` is the FastAPI app
 with one shortcut in front: a ``POST`` to one of the proxied paths (``routes.ROUTES``)
-is handed to the inference handler directly, and its errors are rendered here in the
+is handed to the inference handler directly, as an ``Incoming`` (scope, ``receive``
+and a header dict; no Starlette ``Request``), and its errors are rendered here in the
 same OpenAI shape the app's exception handlers use. Everything else (admin API, metrics, health, the
 OpenAPI schema, lifespan) goes through FastAPI unchanged, and the proxied routes stay
 registered there too, so the schema still lists them. Every HTTP request, either way,
@@ -17,17 +18,18 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from kvroute.errors import RouterError, error_response
 from kvroute.service import accesslog
+from kvroute.service.incoming import Incoming
 from kvroute.service.routes import ROUTES
 
 log = logging.getLogger("kvroute.service.app")
 
-Handler = Callable[[Request, str, str], Awaitable[Response]]
+Handler = Callable[[Incoming, str, str], Awaitable[Response]]
 
 
 class RouterApp(FastAPI):
@@ -50,9 +52,10 @@ class RouterApp(FastAPI):
             and (route := ROUTES.get(scope["path"])) is not None
         ):
             scope["app"] = self
-            request = Request(scope, receive)
             try:
-                response = await self.inference(request, route.kind, route.worker_path)
+                response = await self.inference(
+                    Incoming(scope, receive), route.kind, route.worker_path
+                )
             except RouterError as e:
                 response = e.response()
             except ClientDisconnect:

@@ -53,17 +53,23 @@ METHODS = frozenset(("GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"))
 _FRAMING = (b"content-length", b"transfer-encoding")
 
 
-def _expire(fut: asyncio.Future[None], exc: Exception) -> None:
+def _expire(fut: asyncio.Future[None], exc: type[httpx.TimeoutException], msg: str) -> None:
     if not fut.done():
-        fut.set_exception(exc)
+        fut.set_exception(exc(msg))
 
 
-async def _wait(fut: asyncio.Future[None], limit_s: float | None, exc: Exception) -> None:
-    """Await ``fut``; past ``limit_s`` seconds it fails with ``exc`` (one timer, no task)."""
+async def _wait(
+    fut: asyncio.Future[None],
+    limit_s: float | None,
+    exc: type[httpx.TimeoutException],
+    msg: str,
+) -> None:
+    """Await ``fut``; past ``limit_s`` seconds it fails with ``exc(msg)`` (one timer, no
+    task; the exception is built only if the time runs out)."""
     if limit_s is None:
         await fut
         return
-    handle = asyncio.get_running_loop().call_later(limit_s, _expire, fut, exc)
+    handle = fut.get_loop().call_later(limit_s, _expire, fut, exc, msg)
     try:
         await fut
     finally:
@@ -220,8 +226,23 @@ class Connection(asyncio.Protocol):
         self.head = self.loop.create_future()
         self.transport.write(data)
         if self.writable is not None:
-            await _wait(self.writable, timeouts.get("write"), httpx.WriteTimeout("write timed out"))
-        await _wait(self.head, timeouts.get("read"), httpx.ReadTimeout("read timed out"))
+            await _wait(
+                self.writable,
+                timeouts.get("write"),
+                httpx.WriteTimeout,
+                "write timed out",
+            )
+        # _wait's steps, inlined (every request waits here: one frame less on resume).
+        head = self.head
+        limit_s = timeouts.get("read")
+        if limit_s is None:
+            await head
+            return
+        handle = self.loop.call_later(limit_s, _expire, head, httpx.ReadTimeout, "read timed out")
+        try:
+            await head
+        finally:
+            handle.cancel()
 
     def finish(self) -> None:
         """End the exchange: keep the connection for the next request or close it."""
@@ -246,6 +267,30 @@ class _Body(httpx.AsyncByteStream):
         self.conn = conn
         self.read_timeout = read_timeout
         self.ended = False
+        self.raw_headers = conn.headers  # as received (a new list per answer)
+
+    async def read_all(self) -> bytes:
+        """The rest of the body, whole (what iterating would yield, joined), without
+        an async generator."""
+        conn = self.conn
+        parts: list[bytes] = []
+        while True:
+            chunks = conn.chunks
+            if chunks:
+                parts += chunks
+                chunks.clear()
+                conn.buffered = 0
+                if conn.reading_paused and conn.transport is not None:
+                    conn.reading_paused = False
+                    conn.transport.resume_reading()
+                continue
+            if conn.complete:
+                break
+            if conn.error is not None:
+                raise conn.error
+            conn.waiter = conn.loop.create_future()
+            await _wait(conn.waiter, self.read_timeout, httpx.ReadTimeout, "read timed out")
+        return b"" if not parts else parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         conn = self.conn
@@ -264,7 +309,12 @@ class _Body(httpx.AsyncByteStream):
             if conn.error is not None:
                 raise conn.error
             conn.waiter = conn.loop.create_future()
-            await _wait(conn.waiter, self.read_timeout, httpx.ReadTimeout("read timed out"))
+            await _wait(
+                conn.waiter,
+                self.read_timeout,
+                httpx.ReadTimeout,
+                "read timed out",
+            )
 
     async def aclose(self) -> None:
         if not self.ended:
@@ -305,7 +355,12 @@ class Origin:
             slot: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self.slots.append(slot)
             try:
-                await _wait(slot, timeouts.get("pool"), httpx.PoolTimeout("no free connection"))
+                await _wait(
+                    slot,
+                    timeouts.get("pool"),
+                    httpx.PoolTimeout,
+                    "no free connection",
+                )
             finally:
                 if slot in self.slots:
                     self.slots.remove(slot)
@@ -374,17 +429,29 @@ def _head(request: httpx.Request, body: bytes) -> bytes:
         n += 1
     lines.append(b"\r\n")
     head = b"".join(lines)
-    # A CR or LF inside a header name or value would add a line (header injection).
-    if head.count(b"\n") != n or head.count(b"\r") != n:
-        raise httpx.LocalProtocolError("a request header contains CR or LF")
+    check_head(head, n)
     return head
+
+
+def check_head(head: bytes, lines: int) -> None:
+    """Refuse a request head with a CR or LF inside a header name or value (it would
+    add a line: header injection). ``lines``: the line ends it should have."""
+    if head.count(b"\n") != lines or head.count(b"\r") != lines:
+        raise httpx.LocalProtocolError("a request header contains CR or LF")
 
 
 async def send(origin: Origin, request: httpx.Request) -> httpx.Response:
     """Send ``request`` over one of ``origin``'s connections; the response streams."""
     timeouts: dict[str, Any] = request.extensions.get("timeout", {})
     body = await request.aread()
-    data = _head(request, body) + body
+    return await exchange(origin, _head(request, body) + body, timeouts)
+
+
+async def exchange(
+    origin: Origin, data: bytes, timeouts: dict[str, float | None]
+) -> httpx.Response:
+    """Send a whole request (``data``: head and body) over one of ``origin``'s
+    connections; the response streams."""
     for attempt in range(STALE_RETRIES + 1):
         try:
             conn = await origin.acquire(timeouts)
@@ -416,3 +483,29 @@ async def send(origin: Origin, request: httpx.Request) -> httpx.Response:
             extensions={"http_version": b"HTTP/1.1", "reason_phrase": conn.reason},
         )
     raise AssertionError("unreachable")
+
+
+def raw_headers(response: httpx.Response) -> list[tuple[bytes, bytes]]:
+    """The answer's headers as received (names as the worker spelled them), without
+    going through ``httpx.Headers`` (whose lookups of a missing name raise and catch
+    a KeyError, and which works out the headers' encoding first) when it came from here."""
+    stream = response.stream
+    if isinstance(stream, _Body):
+        return stream.raw_headers
+    return response.headers.raw
+
+
+async def read_whole(response: httpx.Response) -> bytes | None:
+    """An answer of this pool with no Content-Encoding: its whole body, the response
+    closed (its connection kept for reuse). None: not one of those; read it with httpx."""
+    stream = response.stream
+    if not isinstance(stream, _Body):
+        return None
+    for name, _ in stream.raw_headers:
+        if name.lower() == b"content-encoding":
+            return None
+    try:
+        return await stream.read_all()
+    finally:
+        response.is_closed = True
+        await stream.aclose()

@@ -3,6 +3,9 @@
 Per-request series are counters and histograms updated on the request path; fleet
 state (in-flight, health, index size, tokenizer cache) is read when ``/metrics`` is
 scraped, by a collector, so it costs nothing per request.
+
+The request path does not call prometheus_client itself: its children are plain
+numbers moved in when a metric is read (``kvroute.service.fastmetrics``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvroute.fleet.models import ModelLabels
+from kvroute.service.fastmetrics import FlushingCounter, FlushingHistogram, fast_child
 
 LATENCY_BUCKETS = (
     0.001,
@@ -160,14 +164,15 @@ class _FleetCollector(Collector):
 class Children(dict[tuple[str, ...], Any]):
     """A labelled metric's children by label values, looked up in a plain dict:
     prometheus_client's ``labels()`` validates and takes a lock on every call, and the
-    request path calls it for several metrics per request."""
+    request path calls it for several metrics per request. The children are
+    ``FastCounter`` / ``FastHistogram`` handles (see the module docstring)."""
 
-    def __init__(self, metric: Counter | Histogram) -> None:
+    def __init__(self, metric: FlushingCounter | FlushingHistogram) -> None:
         super().__init__()
         self.metric = metric
 
     def __missing__(self, key: tuple[str, ...]) -> Any:
-        child = self[key] = self.metric.labels(*key)
+        child = self[key] = fast_child(self.metric, self.metric.labels(*key))
         return child
 
 
@@ -175,50 +180,50 @@ class RouterMetrics:
     def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter(
+        self.requests = FlushingCounter(
             "kvroute_requests", "Requests by route and status", ["route", "status"], registry=r
         )
-        self.latency = Histogram(
+        self.latency = FlushingHistogram(
             "kvroute_request_latency_seconds",
             "Time from request to the end of the response",
             ["route"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.ttfb = Histogram(
+        self.ttfb = FlushingHistogram(
             "kvroute_time_to_first_byte_seconds",
             "Time from request to the first response byte from the worker",
             ["route"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.decisions = Counter(
+        self.decisions = FlushingCounter(
             "kvroute_routing_decisions",
             "Routing decisions by policy, reason and match source (precise/approximate)",
             ["policy", "reason", "source"],
             registry=r,
         )
-        self.predicted_cached = Counter(
+        self.predicted_cached = FlushingCounter(
             "kvroute_predicted_cached_tokens",
             "Prompt tokens the router expected the chosen worker to hold "
             "(counted for answers that report cached_tokens)",
             ["source"],
             registry=r,
         )
-        self.reported_cached = Counter(
+        self.reported_cached = FlushingCounter(
             "kvroute_reported_cached_tokens",
             "Prompt tokens the workers reported as cached (usage.prompt_tokens_details)",
             ["source"],
             registry=r,
         )
-        self.reported_prompt = Counter(
+        self.reported_prompt = FlushingCounter(
             "kvroute_reported_prompt_tokens",
             "Prompt tokens of the answers that reported cached_tokens (the denominator "
             "of the workers' hit rate)",
             ["source"],
             registry=r,
         )
-        self.matched_ratio = Histogram(
+        self.matched_ratio = FlushingHistogram(
             "kvroute_matched_token_ratio",
             "Matched prefix tokens / request tokens at routing",
             buckets=RATIO_BUCKETS,
@@ -246,7 +251,7 @@ class RouterMetrics:
         self.rejected = Counter(
             "kvroute_rejected", "Requests refused by admission control", ["reason"], registry=r
         )
-        self.model_requests = Counter(
+        self.model_requests = FlushingCounter(
             "kvroute_model_requests",
             "Requests routed by the model they ask for ('default' when they name none; "
             "past 32 names, 'other')",
@@ -277,6 +282,7 @@ class RouterMetrics:
         self.reported_by = Children(self.reported_cached)
         self.reported_prompt_by = Children(self.reported_prompt)
         self.model_requests_by = Children(self.model_requests)
+        self.matched_ratio_fast = fast_child(self.matched_ratio, self.matched_ratio)
 
     def observe_prediction(self, worker: str, predicted: float, observed: float) -> None:
         """A first byte came back: how good was the work model's TTFT prediction?"""

@@ -22,12 +22,13 @@ from typing import Any
 
 import httpx
 import orjson
-from starlette.requests import Request
 from starlette.responses import Response
 
 from kvroute.errors import BadRequestError, error_body
 from kvroute.routing.policies.base import RouteRequest
 from kvroute.service.attempts import Job, answer_chunks
+from kvroute.service.h1pool import raw_headers
+from kvroute.service.incoming import Incoming
 from kvroute.service.proxy import (
     PASS_HEADERS,
     Forwarder,
@@ -67,12 +68,12 @@ class PassThrough(Forwarder):
     """Least-load forwarding with the bodies untouched; the attempts' rules for
     failures (``kvroute.service.attempts``): retries, moves, quarantine, 5xx retries."""
 
-    async def forward(self, request: Request, kind: str, path: str) -> Response:
+    async def forward(self, request: Incoming, kind: str, path: str) -> Response:
         s = self.s
         t0 = time.perf_counter()
         body = await read_body(request, s.settings.max_body_bytes)
         headers = self._headers(request)
-        content_type = request.headers.get("content-type")
+        content_type = request.header(b"content-type")
         if content_type:
             headers["content-type"] = content_type
         else:
@@ -104,7 +105,7 @@ class PassThrough(Forwarder):
         answer = await self.attempts.run(job)
         upstream, worker, res = answer.upstream, answer.decision.worker, answer.reservation
         raw = [(b"x-kvroute-worker", worker.encode()), (b"x-request-id", rid.encode())]
-        raw += [(k.lower(), v) for k, v in upstream.headers.raw if k.lower() in PASS_HEADERS]
+        raw += [(k.lower(), v) for k, v in raw_headers(upstream) if k.lower() in PASS_HEADERS]
         status = upstream.status_code
         if answer.streaming:
             return ProxyStream(

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
+import random
 import re
 import time
 from array import array
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -50,6 +50,8 @@ from kvroute.routing.load import Ticket, max_tokens_of
 from kvroute.routing.policies.base import RouteRequest
 from kvroute.service.attempts import Attempts, Job, answer_chunks, usage
 from kvroute.service.early import EarlyRouting
+from kvroute.service.h1pool import raw_headers
+from kvroute.service.incoming import Incoming
 from kvroute.service.quarantine import fingerprint, output_tokens
 from kvroute.service.routes import for_index
 
@@ -63,6 +65,13 @@ PASS_HEADERS = frozenset((b"content-type", b"cache-control"))
 CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 PROMPT_RE = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
+
+
+def new_request_id() -> str:
+    """A fresh request ID: 96 random bits as 24 hex digits. From ``random`` (reseeded
+    in a forked child), not ``os.urandom``: an ID must be unique, not secret, and
+    ``os.urandom`` is a ``getrandom`` system call per request."""
+    return f"{random.getrandbits(96):024x}"
 
 
 class ProxyStream(StreamingResponse):
@@ -97,10 +106,10 @@ class ProxyStream(StreamingResponse):
             await self._cleanup()
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Incoming, limit: int) -> bytes:
     """The request body, at most ``limit`` bytes (413 past it), read off the ASGI
     ``receive`` channel directly."""
-    declared = request.headers.get("content-length")
+    declared = request.headers.get(b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLargeError(f"request body over {limit} bytes")
     chunks = []
@@ -142,9 +151,9 @@ def check_model(registry: Registry, model: str | None) -> None:
         )
 
 
-def session_key(request: Request, body: dict[str, Any]) -> str | None:
-    for h in ("x-session-id", "x-user-id"):
-        v = request.headers.get(h)
+def session_key(request: Incoming, body: dict[str, Any]) -> str | None:
+    for h in (b"x-session-id", b"x-user-id"):
+        v = request.header(h)
         if v:
             return v
     user = body.get("user")
@@ -168,24 +177,28 @@ class Forwarder:
         self.attempts = Attempts(state)
         self.early = EarlyRouting(state) if EarlyRouting.applies(state) else None
 
-    def _headers(self, request: Request) -> dict[str, str]:
+    def _headers(self, request: Incoming) -> dict[str, str]:
         out = {"content-type": "application/json"}
-        accept = request.headers.get("accept")
+        accept = request.header(b"accept")
         if accept:
             out["accept"] = accept
         # One ID follows the request through the logs, the worker and the answer: the
         # client's own when it is a sane token, else a fresh one.
-        rid = request.headers.get("x-request-id", "")
-        out["x-request-id"] = rid if REQUEST_ID_RE.fullmatch(rid) else os.urandom(12).hex()
+        rid = request.header(b"x-request-id")
+        out["x-request-id"] = (
+            rid if rid is not None and REQUEST_ID_RE.fullmatch(rid) else new_request_id()
+        )
         settings = self.s.settings
         if settings.worker_api_key:
             out["authorization"] = f"Bearer {settings.worker_api_key}"
-        elif not settings.api_key and request.headers.get("authorization"):
+        elif not settings.api_key:
             # Without a router key, the client's credentials are meant for the workers.
-            out["authorization"] = request.headers["authorization"]
+            auth = request.header(b"authorization")
+            if auth:
+                out["authorization"] = auth
         return out
 
-    async def forward(self, request: Request, kind: str, path: str) -> Response:
+    async def forward(self, request: Incoming, kind: str, path: str) -> Response:
         s = self.s
         t0 = time.perf_counter()
         body = await read_body(request, s.settings.max_body_bytes)
@@ -203,7 +216,7 @@ class Forwarder:
                 tokens = self._partitioned(kind, obj, model, tokens)
             if len(tokens) == 0:
                 raise BadRequestError("the prompt is empty")
-            request.state.prompt_tokens = len(tokens)  # for the access log
+            request.note("prompt_tokens", len(tokens))  # for the access log
         else:
             s.tokenizer.check(index_kind, index_obj)
             tokens = ()
@@ -243,7 +256,7 @@ class Forwarder:
         upstream, decision, res = answer.upstream, answer.decision, answer.reservation
         source = "precise" if decision.precise else "approximate"
         raw = [(b"x-kvroute-worker", decision.worker.encode()), (b"x-request-id", rid.encode())]
-        for name, value in upstream.headers.raw:
+        for name, value in raw_headers(upstream):
             name = name.lower()
             if name in PASS_HEADERS:
                 raw.append((name, value))
@@ -267,7 +280,7 @@ class Forwarder:
         self._done(kind, upstream.status_code, t0)
         content = answer.content
         if upstream.status_code == 200:
-            self._reuse(content, decision.matched_tokens, source)
+            self._count_reuse(answer.reported, decision.matched_tokens, source)
         raw.append((b"content-length", str(len(content)).encode()))
         return RawResponse(content, upstream.status_code, raw)
 
@@ -302,11 +315,20 @@ class Forwarder:
         at = data.find(b'"cached_tokens"')
         m = CACHED_RE.match(data, at) if at >= 0 else None
         if m is not None:
-            self.s.metrics.predicted_by[(source,)].inc(predicted)
-            self.s.metrics.reported_by[(source,)].inc(int(m.group(1)))
             p = PROMPT_RE.search(data)
-            if p is not None:  # the workers' hit rate on /status
-                self.s.metrics.reported_prompt_by[(source,)].inc(int(p.group(1)))
+            prompt = int(p.group(1)) if p is not None else None
+            self._count_reuse((prompt, int(m.group(1))), predicted, source)
+
+    def _count_reuse(
+        self, reported: tuple[int | None, int | None], predicted: int, source: str
+    ) -> None:
+        prompt, cached = reported
+        if cached is not None:
+            m = self.s.metrics
+            m.predicted_by[(source,)].inc(predicted)
+            m.reported_by[(source,)].inc(cached)
+            if prompt is not None:  # the workers' hit rate on /status
+                m.reported_prompt_by[(source,)].inc(prompt)
 
     def _done(self, kind: str, status: int, t0: float) -> None:
         self.s.metrics.requests_by[kind, str(status)].inc()

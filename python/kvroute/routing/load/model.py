@@ -88,6 +88,7 @@ class Ticket:
         expected_out: int,
         now: float,
         matched: int = 0,
+        predict: bool = True,
     ) -> None:
         self._model = model
         self.id = tid
@@ -96,6 +97,21 @@ class Ticket:
         self.uncached = uncached
         self.expected_out = expected_out
         self.started = now
+        self.predicted_cached = matched
+        self.first_at: float | None = None
+        self.closed = False
+        # Set by whoever reads the answer's usage, for ``end``: completion_tokens, and
+        # the uncached prompt tokens the engine reports (prompt - cached_tokens).
+        self.output_tokens: int | None = None
+        self.reported_uncached: int | None = None
+        self.prompt_tokens = uncached + matched
+        self.sample: float | None = None  # the first-byte time, learned from at ``end``
+        if not predict:
+            # Nothing will read a prediction (a whole answer: its first byte is its
+            # last, no prefill time to learn from or deadline to shorten).
+            self.ahead = self.predicted = 0.0
+            self.clean = self.alone = False
+            return
         self.ahead = model.ahead(worker)
         # A free slot and no one else's requests waiting (neither an engine's unknown
         # ones nor other routers' shared ones): from the moment its prefill starts, its
@@ -109,15 +125,6 @@ class Ticket:
         # Nothing of ours ahead of it either: it starts at once.
         self.alone = self.clean and not state.pending
         self.predicted = model.ttft(worker, uncached, matched)
-        self.predicted_cached = matched
-        self.first_at: float | None = None
-        self.closed = False
-        # Set by whoever reads the answer's usage, for ``end``: completion_tokens, and
-        # the uncached prompt tokens the engine reports (prompt - cached_tokens).
-        self.output_tokens: int | None = None
-        self.reported_uncached: int | None = None
-        self.prompt_tokens = uncached + matched
-        self.sample: float | None = None  # the first-byte time, learned from at ``end``
 
     def first_byte(self, now: float, *, learn: bool = True) -> None:
         """The first byte came back: the prefill part is done (once; later calls and
@@ -237,15 +244,23 @@ class LoadModel:
         self.mean_output += OUTPUT_EWMA * (tokens - self.mean_output)
 
     def reserve(
-        self, worker: str, uncached: int, expected_out: int, now: float, matched: int = 0
+        self,
+        worker: str,
+        uncached: int,
+        expected_out: int,
+        now: float,
+        matched: int = 0,
+        predict: bool = True,
     ) -> Ticket:
         """Reserve a routed request's work on ``worker`` (at decision time): ``uncached``
-        prompt tokens beyond the ``matched`` ones the index predicts it holds."""
+        prompt tokens beyond the ``matched`` ones the index predicts it holds.
+        ``predict=False``: the ticket's predicted time to first token is not needed
+        (not computed; the work is reserved all the same)."""
         st = self.state(worker)
         uncached = max(0, uncached)
         matched = max(0, matched)
         self._ids += 1
-        t = Ticket(self, self._ids, worker, st, uncached, expected_out, now, matched)
+        t = Ticket(self, self._ids, worker, st, uncached, expected_out, now, matched, predict)
         # The prefill expected: the matched tokens the index may be wrong about count
         # in proportion to how often it was (``trust``).
         expect = uncached + round((1.0 - st.trust) * matched)

@@ -1,0 +1,175 @@
+"""Instructions per request of kvroute's ASGI app alone (no uvicorn), against the floor's.
+
+Two instant workers (``router_overhead.py --serve-worker`` processes) answer; the app is
+driven in this process, one request at a time, with the scope, ``receive`` and ``send``
+uvicorn would give it, over ``router_overhead.py``'s 2,029-token chat bodies. Under
+valgrind's callgrind (``--instructions``) counting runs only around the measured loop,
+so the count is the handler's own work (Python, C extensions; user space), steady
+enough to tell a change of a few thousand instructions per request apart on a shared
+machine where CPU time moves by ±15%. Without it, CPU time per request is printed.
+
+Usage:
+    .venv/bin/python bench/handler_instructions.py --target kvroute --policy round_robin
+    .venv/bin/python bench/handler_instructions.py --target floor --instructions
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import router_overhead as ro  # noqa: E402
+
+
+def _scope(body: bytes) -> dict[str, Any]:
+    path = "/v1/chat/completions"
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "server": ("127.0.0.1", 8000),
+        "client": ("127.0.0.1", 5555),
+        "scheme": "http",
+        "method": "POST",
+        "root_path": "",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "headers": [
+            (b"host", b"127.0.0.1:8000"),
+            (b"accept", b"*/*"),
+            (b"accept-encoding", b"gzip, deflate"),
+            (b"connection", b"keep-alive"),
+            (b"user-agent", b"python-httpx/0.28.1"),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ],
+        "state": {},
+    }
+
+
+async def _one(app: Any, body: bytes, sent: list[dict[str, Any]]) -> None:
+    given = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.sleep(3600)  # no disconnect while the answer is sent
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app(_scope(body), receive, send)
+
+
+async def _startup(app: Any) -> None:
+    inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    await inbox.put({"type": "lifespan.startup"})
+    scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}
+    asyncio.get_running_loop().create_task(app(scope, inbox.get, outbox.put))
+    started = await outbox.get()
+    assert started["type"] == "lifespan.startup.complete", started
+
+
+def _app(target: str, urls: list[str], policy: str) -> Any:
+    if target == "floor":
+        captured: dict[str, Any] = {}
+        ro.serve_asgi = lambda app, port: captured.setdefault("app", app)  # type: ignore[assignment]
+        ro.run_floor_proxy(0, urls, True)
+        return captured["app"]
+    from kvroute.config import Settings
+    from kvroute.service.app import create_app
+
+    return create_app(Settings(worker_urls=urls, policy=policy).validate())
+
+
+def _counting(on: bool) -> None:
+    """Switch callgrind's counting in this process (blocks while callgrind switches)."""
+    flag = "on" if on else "off"
+    subprocess.run(["callgrind_control", "-i", flag, str(os.getpid())], capture_output=True)
+
+
+async def _run(app: Any, n: int, count: bool) -> float:
+    await _startup(app)
+    bodies = [ro.request_body(1, i) for i in range(64)]
+    sent: list[dict[str, Any]] = []
+    for i in range(50):  # warm: connections, caches
+        await _one(app, bodies[i % 64], sent)
+    sent.clear()
+    if count:
+        _counting(True)
+    t0 = time.process_time()
+    for i in range(n):
+        await _one(app, bodies[i % 64], sent)
+    cpu = time.process_time() - t0
+    if count:
+        _counting(False)
+    statuses = {m["status"] for m in sent if m["type"] == "http.response.start"}
+    assert statuses == {200}, statuses
+    return cpu / n
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--target", choices=("kvroute", "floor"), default="kvroute")
+    ap.add_argument("--policy", default="round_robin", help="kvroute's --policy (no tokenizer)")
+    ap.add_argument("--requests", type=int, default=500)
+    ap.add_argument("--instructions", action="store_true", help="count under callgrind")
+    ap.add_argument("--counting", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.instructions and not args.counting:
+        if shutil.which("valgrind") is None:
+            raise SystemExit("valgrind not installed (apt-get install valgrind)")
+        out = Path(tempfile.mkdtemp()) / "callgrind.out"
+        argv = [sys.executable, __file__, "--target", args.target, "--policy", args.policy]
+        argv += ["--requests", str(args.requests), "--instructions", "--counting"]
+        vg = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
+        subprocess.run([*vg, *argv], check=True, capture_output=True)
+        total = 0
+        for f in out.parent.glob("callgrind.out*"):
+            text = subprocess.run(["callgrind_annotate", str(f)], capture_output=True, text=True)
+            for line in text.stdout.splitlines():
+                if "PROGRAM TOTALS" in line:
+                    total += int(line.split()[0].replace(",", ""))
+        what = args.target if args.target == "floor" else f"kvroute {args.policy}"
+        print(f"{what}: {total / args.requests:,.0f} instructions per request (in process)")
+        return 0
+
+    import uvloop
+
+    from kvroute.eval.procs import free_port, start_server
+
+    log_dir = tempfile.mkdtemp()
+    workers = []
+    try:
+        for _ in range(2):
+            port = free_port()
+            argv = [sys.executable, str(HERE / "router_overhead.py"), "--serve-worker", str(port)]
+            workers.append(start_server(f"worker-{port}", argv, port, log_dir=log_dir))
+        app = _app(args.target, [w.url for w in workers], args.policy)
+        per = uvloop.run(_run(app, args.requests, args.counting))
+    finally:
+        for w in workers:
+            w.stop()
+    if not args.counting:
+        print(f"{args.target}: {per * 1e6:.1f} µs CPU per request (in process)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
