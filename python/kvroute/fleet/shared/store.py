@@ -2,8 +2,18 @@
 
 Nothing on the request path waits for Redis. A routing decision is appended to a bounded
 in-memory buffer (``publish_insert``, O(1); when the buffer is full the oldest entry is
-dropped and counted) and a background task drains it into the stream in pipelined
-batches. Another task reads the other routers' entries (``XREAD BLOCK`` from the last id
+dropped and counted), and so is a change of this router's load (``loads``). Once the
+current event-loop turn is over (``call_soon``), everything queued in it goes out as
+``XADD``s in one socket write (a decision and its reservation ride in one entry) on a
+connection of its own that has told Redis not to reply (``CLIENT REPLY OFF``). Why:
+with requests arriving one at a time, each costs about three writes (its decision and
+reservation, its first byte, its end), and awaiting, reading and parsing a reply, with
+a task woken per write, was most of a write's client CPU (``bench/
+shared_state_overhead.py``). The price: Redis's errors on those writes are not seen (a
+lost connection is: ``_watch``, or the other tasks' commands fail). A background task
+publishes membership changes (kept until Redis has them) and, while Redis is slow to
+read (over ``WRITE_BUFFER`` unsent), takes over the writes. Another task reads the
+other routers' entries (``XREAD BLOCK`` from the last id
 seen) and applies them to the local index and fleet; a third rewrites this router's
 heartbeat (announce + in-flight per worker, with a TTL) and reads the others'. While
 Redis is down, slow or unreachable these tasks fail, the router routes on its local
@@ -35,6 +45,7 @@ from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
+from redis.asyncio.connection import Connection
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -49,7 +60,7 @@ from kvroute.routing.load import LoadModel
 
 log = logging.getLogger("kvroute.fleet.shared")
 
-BATCH = 512  # stream entries per pipelined round trip
+WRITE_BUFFER = 1 << 20  # bytes not yet taken by Redis beyond which the request path stops writing
 READ_COUNT = 20  # entries per XREAD: at most 1,280 decisions applied per loop turn
 READ_BLOCK_MS = 500
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.1, 5.0
@@ -101,6 +112,10 @@ class StateStore(Applier):
         self.members = Membership(registry, self.counters.applied, buffer_len)
         self._last_id = b"0"  # replay the retained stream at start
         self._wake = asyncio.Event()
+        # The publishing connection's writer while connected (``_unanswered``), and
+        # whether a write is already scheduled for the end of this event-loop turn.
+        self._writer: asyncio.StreamWriter | None = None
+        self._soon = False
         self._task: asyncio.Task[None] | None = None
         self._client: aioredis.Redis | None = None
         if index is not None:
@@ -108,7 +123,7 @@ class StateStore(Applier):
         # The work model's load and queued prefill, shared both ways (``loads``).
         self.shared_load = None
         if work is not None:
-            self.shared_load = SharedLoad(work, self._wake.set, self.peer_load)
+            self.shared_load = SharedLoad(work, self._queued, self.peer_load)
 
     # ------------------------------------------------------------- request path
 
@@ -118,8 +133,26 @@ class StateStore(Applier):
             self._buf.popleft()
             self.counters.dropped += 1
         self._buf.append((worker, digests))
-        if not self._wake.is_set():
-            self._wake.set()
+        if not self._soon:
+            self._queued()
+
+    def _queued(self) -> None:
+        """Something was queued: write it once this event-loop turn is over, so that
+        every change made in the turn (a decision and its reservation, a burst of
+        requests) rides in one write."""
+        if self._writer is not None and not self._soon:
+            self._soon = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._soon = False
+        writer = self._writer
+        if writer is None:
+            return  # disconnected since: the session's next start publishes it
+        if self.members.pending or writer.transport.get_write_buffer_size() > WRITE_BUFFER:
+            self._wake.set()  # membership first, or Redis is slow: the task waits for it
+            return
+        self._write(writer)
 
     def worker_added(self, url: str) -> None:
         """The admin API added ``url`` here: share it (queued like a decision)."""
@@ -193,15 +226,33 @@ class StateStore(Applier):
         assert client is not None
         await client.ping()
         await self._catch_up(client)
-        if self.shared_load is not None:
-            self.shared_load.resend_all()
-        self.connected = True
-        self.counters.connects += 1
-        log.info("state store %s connected (router id %s)", self.url.redacted, self.id)
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(self._publish_loop(client))
-            tg.create_task(self._read_loop(client))
-            tg.create_task(self._heartbeat_loop(client))
+        pub = await _unanswered(client)
+        try:
+            if self.shared_load is not None:
+                self.shared_load.resend_all()
+            self.connected = True
+            self.counters.connects += 1
+            log.info("state store %s connected (router id %s)", self.url.redacted, self.id)
+            self._writer = pub._writer  # redis-py's, once connected; see _unanswered
+            assert self._writer is not None
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._publish_loop(client, self._writer))
+                tg.create_task(self._read_loop(client))
+                tg.create_task(self._heartbeat_loop(client))
+                tg.create_task(self._watch(pub))
+        finally:
+            self._writer = None
+            with contextlib.suppress(Exception):
+                await pub.disconnect()
+
+    async def _watch(self, pub: Connection) -> None:
+        """Ends the session when Redis closes the publishing connection (it sends
+        nothing else on it): what is written meanwhile is lost, as with any
+        fire-and-forget write to a dead peer."""
+        reader = pub._reader
+        assert reader is not None
+        await reader.read(1)  # EOF, an error, or (not expected) a reply
+        raise ConnectionError("the publishing connection closed")
 
     async def _catch_up(self, client: aioredis.Redis) -> None:
         """After (re)connecting: share the start-up workers and pending membership
@@ -221,29 +272,32 @@ class StateStore(Applier):
 
     # ------------------------------------------------------------- loops
 
-    async def _publish_loop(self, client: aioredis.Redis) -> None:
+    async def _publish_loop(self, client: aioredis.Redis, writer: asyncio.StreamWriter) -> None:
+        """Membership changes (awaited: kept until Redis has them), and what the
+        request path queued while Redis was slow or a membership change was pending."""
         while True:
-            shared = self.shared_load
-            if not self._buf and not self.members.pending and not (shared and shared.dirty):
-                self._wake.clear()
-                await self._wake.wait()
+            self._wake.clear()
             await self.members.flush(client, self._rid, self.stream_len)
-            n = min(len(self._buf), BATCH)
-            queued = shared.take() if shared is not None and shared.dirty else b""
-            if not n and not queued:
-                continue
-            batch = [self._buf.popleft() for _ in range(n)]
-            pipe = client.pipeline(transaction=False)
-            for i in range(0, max(n, 1), wire.PER_ENTRY):
-                entry = wire.insert_entry(self._rid, batch[i : i + wire.PER_ENTRY], queued)
-                queued = b""  # rides with the first entry
-                pipe.xadd(wire.STREAM, entry, maxlen=self.stream_len, approximate=True)  # type: ignore[arg-type]
-            try:
-                await pipe.execute()
-            except Exception:
-                self.counters.dropped += n  # fire-and-forget: lost with the connection
-                raise
-            self.counters.published += n
+            await writer.drain()  # Redis slow to read: wait here, the buffer stays bounded
+            self._write(writer)
+            if not self.members.pending and writer.transport.get_write_buffer_size() == 0:
+                await self._wake.wait()
+
+    def _write(self, writer: asyncio.StreamWriter) -> None:
+        """Everything queued, as ``XADD``s in one write; no reply comes back."""
+        shared = self.shared_load
+        queued = shared.take() if shared is not None and shared.dirty else b""
+        n = len(self._buf)
+        if not n and not queued:
+            return
+        batch = [self._buf.popleft() for _ in range(n)]
+        commands = []
+        for i in range(0, max(n, 1), wire.PER_ENTRY):
+            entry = wire.insert_entry(self._rid, batch[i : i + wire.PER_ENTRY], queued)
+            queued = b""  # rides with the first entry
+            commands.append(wire.xadd(entry, self.stream_len))
+        writer.write(b"".join(commands))
+        self.counters.published += n
 
     async def _read_loop(self, client: aioredis.Redis) -> None:
         while True:
@@ -273,6 +327,22 @@ class StateStore(Applier):
         for theirs in load.values():
             for url, n in theirs.items():
                 self.peer_load[url] = self.peer_load.get(url, 0) + n
+
+
+async def _unanswered(client: aioredis.Redis) -> Connection:
+    """A connection of its own for publishing, on which Redis sends no replies (same
+    address, credentials, TLS and database as ``client``'s). The store writes to its
+    stream writer directly (redis-py's ``_writer``: a write is then one
+    ``transport.write``, no coroutine, no reply to read and parse)."""
+    pub: Connection = client.connection_pool.make_connection()  # type: ignore[no-untyped-call]
+    try:
+        await pub.connect()  # type: ignore[no-untyped-call]
+        await pub.send_command("CLIENT", "REPLY", "OFF")  # no reply to this one either
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await pub.disconnect()
+        raise
+    return pub
 
 
 def _describe(e: BaseException) -> str:

@@ -34,6 +34,7 @@ __all__ = ["StoreURL"]
 
 PREFIX = "kvroute:"
 STREAM = PREFIX + "stream"
+STREAM_B = STREAM.encode()
 WORKERS = PREFIX + "workers"
 ROUTER = PREFIX + "router:"
 LOAD_FIELD = "l:"
@@ -85,6 +86,18 @@ def insert_entry(
     if load:
         entry[b"p"] = load
     return entry
+
+
+def xadd(entry: dict[bytes, bytes], stream_len: int) -> bytes:
+    """``XADD`` of ``entry`` to the stream trimmed to about ``stream_len`` entries, as
+    the bytes of one Redis command (RESP: an array of bulk strings)."""
+    args = [b"XADD", STREAM_B, b"MAXLEN", b"~", b"%d" % stream_len, b"*"]
+    for field, value in entry.items():
+        args += (field, value)
+    parts = [b"*%d\r\n" % len(args)]
+    for a in args:
+        parts += (b"$%d\r\n" % len(a), a, b"\r\n")
+    return b"".join(parts)
 
 
 def member_entry(router: bytes, kind: bytes, worker: str) -> dict[bytes, bytes]:

@@ -1,0 +1,102 @@
+"""How a router publishes to the shared store, against a real ``redis-server``: the
+writes go out on a connection Redis does not answer (``CLIENT REPLY OFF``), every
+change made in one event-loop turn rides in one stream entry, and changes made in
+separate turns each go out at once (nothing waits for a later one)."""
+
+from __future__ import annotations
+
+import array
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from kvroute.config import Settings, StoreURL
+from kvroute.fleet.registry import Registry
+from kvroute.fleet.shared import DigestIndex, StateStore, wire
+from kvroute.routing.load import LoadModel
+from support import REDIS_SERVER, RedisServer
+
+pytestmark = pytest.mark.skipif(
+    REDIS_SERVER is None, reason="redis-server is not installed (apt-get install redis-server)"
+)
+
+W = "http://127.0.0.1:1"
+
+
+def prompt(seed: int, n: int = 64) -> array.array[int]:
+    rng = np.random.default_rng(seed)
+    return array.array("I", rng.integers(0, 150_000, n).astype(np.uint32).tobytes())
+
+
+def entries(c: redis.Redis) -> list[dict[bytes, bytes]]:
+    return [f for _, f in c.xrange(wire.STREAM) if f[b"k"] in (wire.INSERT, wire.LOAD)]
+
+
+async def until(cond: object, within: float) -> bool:
+    """Poll ``cond`` (a callable) until true, ``within`` seconds at most, letting the
+    event loop (the store's tasks) run in between."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while loop.time() < deadline:
+        if cond():  # type: ignore[operator]
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+def commands(c: redis.Redis, name: str) -> int:
+    return int(c.info("commandstats").get(f"cmdstat_{name}", {}).get("calls", 0))
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> object:
+    server = RedisServer(tmp_path)
+    yield server
+    server.stop()
+
+
+async def test_changes_of_one_loop_turn_ride_in_one_unanswered_write(
+    redis_server: RedisServer,
+) -> None:
+    registry = Registry(Settings(worker_urls=[W]).validate())
+    registry.add(W)
+    index, model = DigestIndex(), LoadModel()
+    model.add_worker(W)
+    store = StateStore(
+        StoreURL(redis_server.url),
+        registry,
+        index,
+        router_url="http://r:1",
+        version="t",
+        work=model,
+    )
+    await store.start()
+    c = redis_server.client()
+    try:
+        assert await until(lambda: store.connected, within=10)
+        await asyncio.sleep(0.1)  # the start-up load (resend_all) published
+        before = len(entries(c))
+        assert commands(c, "client|reply") == 1  # the publishing connection asked for no replies
+
+        # One turn: three decisions and their reservations -> one entry.
+        tickets = []
+        for s in range(3):
+            index.insert(W, prompt(s))
+            tickets.append(model.reserve(W, 64, 10, 0.0))
+        assert await until(lambda: len(entries(c)) == before + 1, within=5)
+        one = entries(c)[-1]
+        assert one[b"k"] == wire.INSERT and len(list(wire.unpack_inserts(one[b"b"]))) == 3
+        assert b"p" in one  # the load change rides with the decisions
+
+        # Separate turns: each first byte goes out by itself, without waiting for more.
+        for n, t in enumerate(tickets, 1):
+            t.first_byte(0.1)
+            assert await until(lambda n=n: len(entries(c)) == before + 1 + n, within=5)
+        assert all(f[b"k"] == wire.LOAD for f in entries(c)[-3:])
+        assert store.counters.published == 3
+    finally:
+        c.close()
+        await store.stop()
