@@ -155,6 +155,9 @@ def test_load_reaches_the_other_routers_as_it_changes() -> None:
     assert theirs.peer == {"http://a": 2}
     assert theirs.ahead("http://a") > before + 7000 / 15_000
     assert theirs.ahead("http://b") == 0.0
+    # Their queued requests are the ones a new prefill would delay, too: the work
+    # guard weighs the fleet's queue, not a third of it (2 waiting over 2 workers).
+    assert theirs.queued_per_worker(["http://a", "http://b"]) == 1.0
     t1.first_byte(0.1)  # decoding: still in flight, no longer queued for prefill
     sub.apply(b"r1", pub.take())
     assert (sub.flight, sub.pending, sub.tokens) == (
