@@ -1,7 +1,8 @@
 """How a router publishes to the shared store, against a real ``redis-server``: the
 writes go out on a connection Redis does not answer (``CLIENT REPLY OFF``), every
-change made in one event-loop turn rides in one stream entry, and changes made in
-separate turns each go out at once (nothing waits for a later one)."""
+change made in one event-loop turn rides in one entry of the router's own stream,
+changes made in separate turns each go out at once (nothing waits for a later one),
+and the router does not read its own entries back."""
 
 from __future__ import annotations
 
@@ -31,8 +32,9 @@ def prompt(seed: int, n: int = 64) -> array.array[int]:
     return array.array("I", rng.integers(0, 150_000, n).astype(np.uint32).tobytes())
 
 
-def entries(c: redis.Redis) -> list[dict[bytes, bytes]]:
-    return [f for _, f in c.xrange(wire.STREAM) if f[b"k"] in (wire.INSERT, wire.LOAD)]
+def entries(c: redis.Redis, store: StateStore) -> list[dict[bytes, bytes]]:
+    """What ``store`` published to its own stream."""
+    return [f for _, f in c.xrange(store.streams.own) if f[b"k"] in (wire.INSERT, wire.LOAD)]
 
 
 async def until(cond: object, within: float) -> bool:
@@ -77,8 +79,8 @@ async def test_changes_of_one_loop_turn_ride_in_one_unanswered_write(
     c = redis_server.client()
     try:
         assert await until(lambda: store.connected, within=10)
-        await asyncio.sleep(0.1)  # the start-up load (resend_all) published
-        before = len(entries(c))
+        await asyncio.sleep(1.2)  # start-up load published; two heartbeats, read set settled
+        before = len(entries(c, store))
         assert commands(c, "client|reply") == 1  # the publishing connection asked for no replies
 
         # One turn: three decisions and their reservations -> one entry.
@@ -86,17 +88,20 @@ async def test_changes_of_one_loop_turn_ride_in_one_unanswered_write(
         for s in range(3):
             index.insert(W, prompt(s))
             tickets.append(model.reserve(W, 64, 10, 0.0))
-        assert await until(lambda: len(entries(c)) == before + 1, within=5)
-        one = entries(c)[-1]
+        assert await until(lambda: len(entries(c, store)) == before + 1, within=5)
+        one = entries(c, store)[-1]
         assert one[b"k"] == wire.INSERT and len(list(wire.unpack_inserts(one[b"b"]))) == 3
         assert b"p" in one  # the load change rides with the decisions
 
-        # Separate turns: each first byte goes out by itself, without waiting for more.
+        # Separate turns: each first byte goes out by itself, without waiting for more,
+        # and the store's blocked XREAD does not wake for them (not its stream).
+        xreads = commands(c, "xread")
         for n, t in enumerate(tickets, 1):
             t.first_byte(0.1)
-            assert await until(lambda n=n: len(entries(c)) == before + 1 + n, within=5)
-        assert all(f[b"k"] == wire.LOAD for f in entries(c)[-3:])
+            assert await until(lambda n=n: len(entries(c, store)) == before + 1 + n, within=5)
+        assert all(f[b"k"] == wire.LOAD for f in entries(c, store)[-3:])
         assert store.counters.published == 3
+        assert commands(c, "xread") - xreads <= 1  # a 500 ms block may end meanwhile
     finally:
         c.close()
         await store.stop()

@@ -56,6 +56,7 @@ from kvroute.fleet.shared.digests import DigestIndex
 from kvroute.fleet.shared.heartbeat import heartbeat
 from kvroute.fleet.shared.loads import SharedLoad
 from kvroute.fleet.shared.members import Membership
+from kvroute.fleet.shared.streams import Streams
 from kvroute.routing.load import LoadModel
 
 log = logging.getLogger("kvroute.fleet.shared")
@@ -110,7 +111,7 @@ class StateStore(Applier):
         self._buf: deque[tuple[str, bytes]] = deque()
         self._buf_len = buffer_len
         self.members = Membership(registry, self.counters.applied, buffer_len)
-        self._last_id = b"0"  # replay the retained stream at start
+        self.streams = Streams(wire.stream_of(self._rid))  # replayed from their start
         self._wake = asyncio.Event()
         # The publishing connection's writer while connected (``_unanswered``), and
         # whether a write is already scheduled for the end of this event-loop turn.
@@ -228,6 +229,13 @@ class StateStore(Applier):
         await self._catch_up(client)
         pub = await _unanswered(client)
         try:
+            # The others follow this router's stream from now (``streams``).
+            await client.xadd(
+                wire.STREAM,
+                wire.hello_entry(self._rid),  # type: ignore[arg-type]
+                maxlen=self.stream_len,
+                approximate=True,
+            )
             if self.shared_load is not None:
                 self.shared_load.resend_all()
             self.connected = True
@@ -259,15 +267,11 @@ class StateStore(Applier):
         changes, notice a store that lost its data or a gap in the stream, and reconcile
         the worker list with the shared one."""
         lost = await self.members.connected(client, self._rid, self.stream_len)
-        if self._last_id != b"0":
-            latest: Any = await client.xrevrange(wire.STREAM, count=1)
-            first: Any = await client.xrange(wire.STREAM, count=1)
-            last = wire.parse_id(self._last_id)
-            if not latest or wire.parse_id(latest[0][0]) < last:
-                self._last_id = b"0"  # a new stream: read it from the start
-            elif first and wire.parse_id(first[0][0]) > last:
-                self.counters.gaps += 1
-                log.warning("state store: fell behind the stream's retention; resynchronised")
+        await self.streams.discover(client)
+        gaps = await self.streams.check(client)
+        if gaps:
+            self.counters.gaps += gaps
+            log.warning("state store: fell behind the streams' retention; resynchronised")
         await self.members.reconcile(client, lost)
 
     # ------------------------------------------------------------- loops
@@ -295,19 +299,24 @@ class StateStore(Applier):
         for i in range(0, max(n, 1), wire.PER_ENTRY):
             entry = wire.insert_entry(self._rid, batch[i : i + wire.PER_ENTRY], queued)
             queued = b""  # rides with the first entry
-            commands.append(wire.xadd(entry, self.stream_len))
+            commands.append(wire.xadd(self.streams.own, entry, self.stream_len))
         writer.write(b"".join(commands))
         self.counters.published += n
 
     async def _read_loop(self, client: aioredis.Redis) -> None:
+        streams = self.streams
         while True:
-            got: Any = await client.xread(
-                {wire.STREAM: self._last_id}, count=READ_COUNT, block=READ_BLOCK_MS
-            )
-            for _stream, entries in got or ():
+            asked = streams.read_args()
+            got: Any = await client.xread(asked, count=READ_COUNT, block=READ_BLOCK_MS)  # type: ignore[arg-type]
+            full = set()
+            for key, entries in got or ():
+                if len(entries) >= READ_COUNT:
+                    full.add(key)
                 for entry_id, fields in entries:
-                    self._last_id = entry_id
+                    streams.last[key] = entry_id
                     self._apply(fields)
+            live = {wire.stream_of(rid.encode()) for rid in self.routers}
+            streams.done_reading(asked, full, live)
 
     async def _heartbeat_loop(self, client: aioredis.Redis) -> None:
         while True:
@@ -318,6 +327,7 @@ class StateStore(Applier):
         mine = {url: w.in_flight for url, w in self.registry.workers.items() if w.in_flight > 0}
         routers, load = await heartbeat(client, self.id, self.info, mine, self.ttl_ms)
         self.routers = routers
+        self.streams.follow_routers(routers)
         if self.shared_load is not None:  # load as published when it changed (``loads``)
             self.shared_load.keep({rid.encode() for rid in routers})
             for rid, theirs in load.items():
