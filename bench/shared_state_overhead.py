@@ -14,8 +14,8 @@
    requests changing in one event-loop turn (1: one at a time, every change published
    by itself; 16: as under load) and the loop idling in between. Without a store (token
    index; digest index), with the store as it publishes now, the same with its reading
-   task idle (publishing alone; the rest is reading back its own entries), and with
-   every write awaiting Redis's reply as before ``CLIENT REPLY OFF`` (``Replied``); per
+   task idle (publishing alone), and with ``--before-store`` an earlier version of the
+   store (the same requests, same process: a before/after from one run); per
    reply parser (``--parser``: redis-py's pure-Python one or hiredis). All interleaved
    in one run (``--rounds``) so the shared machine's noise hits them alike. uvloop by
    default, as ``kvroute serve`` runs.
@@ -44,7 +44,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from redis._parsers import _AsyncHiredisParser, _AsyncRESP2Parser
 from redis.utils import HIREDIS_AVAILABLE
 
-import kvroute.fleet.shared.wire as wire
 from kvroute._native import PrefixIndex
 from kvroute.config import Settings, StoreURL
 from kvroute.fleet.registry import Registry
@@ -74,31 +73,6 @@ if HIREDIS_AVAILABLE:
     PARSERS["hiredis"] = _AsyncHiredisParser
 
 
-class Replied(StateStore):
-    """Publishing as before ``CLIENT REPLY OFF``: each batch a pipeline of ``XADD``s on
-    the shared client, its replies awaited (for comparison in one run)."""
-
-    def _queued(self) -> None:
-        self._wake.set()  # the task writes, not the end of the loop turn
-
-    async def _publish_loop(self, client: Any, pub: Any) -> None:
-        while True:
-            shared = self.shared_load
-            if not self._buf and not (shared and shared.dirty):
-                self._wake.clear()
-                await self._wake.wait()
-            n = min(len(self._buf), 512)
-            queued = shared.take() if shared is not None and shared.dirty else b""
-            batch = [self._buf.popleft() for _ in range(n)]
-            pipe = client.pipeline(transaction=False)
-            for i in range(0, max(n, 1), wire.PER_ENTRY):
-                entry = wire.insert_entry(self._rid, batch[i : i + wire.PER_ENTRY], queued)
-                queued = b""
-                pipe.xadd(wire.STREAM, entry, maxlen=self.stream_len, approximate=True)
-            await pipe.execute()
-            self.counters.published += n
-
-
 class Unread(StateStore):
     """Publishing only: the reading task idles (what reading back the store's own
     entries costs is the difference to ``StateStore``)."""
@@ -107,7 +81,20 @@ class Unread(StateStore):
         await asyncio.Event().wait()
 
 
-KINDS.update(store=StateStore, unread=Unread, replied=Replied)
+KINDS.update(store=StateStore, unread=Unread)
+
+
+def load_before(path: str) -> None:
+    """``--before-store``: an earlier ``fleet/shared/store.py`` (e.g. ``git show
+    a7687a3:python/kvroute/fleet/shared/store.py``), run as mode ``before`` in the same
+    process against today's other modules, for a before/after in one run."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kvroute.fleet.shared._before", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    KINDS["before"] = module.StateStore
 
 
 def make_store(
@@ -132,8 +119,7 @@ async def requests(
     what was queued, so nothing coalesces by accident. ``mode``: ``token`` (no store:
     the token-keyed index), ``digest`` (no store: the digest index a store uses),
     ``store`` (decisions and load shared through Redis), ``unread`` (the same, the
-    reading task idle: publishing alone), ``replied`` (the store, each write awaiting
-    Redis's reply as before ``CLIENT REPLY OFF``: ``Replied``)."""
+    reading task idle: publishing alone), ``before`` (``--before-store``)."""
     ps = prompts(n, tokens)
     model = LoadModel()
     for w in WORKERS:
@@ -251,6 +237,11 @@ def main() -> int:
         default="hiredis,python",
         help="redis-py's reply parser(s) to measure: hiredis (when installed), python",
     )
+    ap.add_argument(
+        "--before-store",
+        default="",
+        help="an earlier fleet/shared/store.py to measure in the same run (column 'before')",
+    )
     ap.add_argument("--skip-background", action="store_true", help="only the third table")
     args = ap.parse_args()
     concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -286,11 +277,17 @@ def main() -> int:
             print(
                 "\n| prompt tokens | requests per loop turn | reply parser "
                 "| no store, token index (µs/request) | no store, digest index "
-                "| store, replies awaited (before) | store | store, reading idle "
+                "| store before | store | store, reading idle "
                 "| store − digest: before / now | publishing alone (reading idle − digest) |"
             )
             print("|---|---|---|---|---|---|---|---|---|---|")
-            modes = ("token", "digest", "replied", "store", "unread")
+            if args.before_store:
+                load_before(args.before_store)
+            modes = tuple(
+                m
+                for m in ("token", "digest", "before", "store", "unread")
+                if m in KINDS or m in ("token", "digest")
+            )
             for t in sizes:
                 for c in concurrency:
                     for parser in args.parser.split(","):
@@ -303,7 +300,10 @@ def main() -> int:
                                     redis.url, t, args.n, mode=mode, concurrency=c, parser=parser
                                 )
                                 sums[mode] += run(coro) / args.rounds
-                        tok, dig, rep, sto, unr = (sums[m] for m in modes)
+                        tok, dig, sto, unr = (
+                            sums[m] for m in ("token", "digest", "store", "unread")
+                        )
+                        rep = sums.get("before", float("nan"))
                         print(
                             f"| {t:,} | {c} | {parser} | {tok:.1f} | {dig:.1f} | {rep:.1f} | "
                             f"{sto:.1f} | {unr:.1f} | {rep - dig:+.1f} / {sto - dig:+.1f} "
