@@ -190,3 +190,20 @@ def test_load_reaches_the_other_routers_as_it_changes() -> None:
     )
     with pytest.raises(ValueError):
         sub.apply(b"r3", b"\x08\x00\x03\x00")
+
+
+def test_xadd_is_the_command_redis_py_would_send() -> None:
+    from redis.connection import Connection
+
+    key = wire.stream_of(b"abc")
+    entry = wire.insert_entry(b"abc", [("http://w:1", b"\x01" * 16)], b"\x02" * 30)
+    args: list[bytes | int] = [b"XADD", key, b"MAXLEN", b"~", 2000, b"*"]
+    for k, v in entry.items():
+        args += [k, v]
+    assert wire.xadd(key, entry, 2000) == b"".join(Connection().pack_command(*args))
+    # Field names and heads are cached: a second entry of another shape still encodes right.
+    entry = wire.hello_entry(b"abc")
+    args = [b"XADD", key, b"MAXLEN", b"~", 7, b"*"]
+    for k, v in entry.items():
+        args += [k, v]
+    assert wire.xadd(key, entry, 7) == b"".join(Connection().pack_command(*args))
