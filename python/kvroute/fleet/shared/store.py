@@ -1,35 +1,26 @@
 """The shared-state client: one background task per router talking to Redis.
 
-Nothing on the request path waits for Redis. A routing decision is appended to a bounded
-in-memory buffer (``publish_insert``, O(1); when the buffer is full the oldest entry is
-dropped and counted), and so is a change of this router's load (``loads``). Once the
-current event-loop turn is over (``call_soon``), everything queued in it goes out as
-``XADD``s in one socket write (a decision and its reservation ride in one entry) on a
-connection of its own that has told Redis not to reply (``CLIENT REPLY OFF``). Why:
-with requests arriving one at a time, each costs about three writes (its decision and
-reservation, its first byte, its end), and awaiting, reading and parsing a reply, with
-a task woken per write, was most of a write's client CPU (``bench/
-shared_state_overhead.py``). The price: Redis's errors on those writes are not seen (a
-lost connection is: ``_watch``, or the other tasks' commands fail). A background task
-publishes membership changes (kept until Redis has them) and, while Redis is slow to
-read (over ``WRITE_BUFFER`` unsent), takes over the writes. Another task reads the
-other routers' entries (``XREAD BLOCK`` from the last id
-seen) and applies them to the local index and fleet; a third rewrites this router's
-heartbeat (announce + in-flight per worker, with a TTL) and reads the others'. While
-Redis is down, slow or unreachable these tasks fail, the router routes on its local
-state, peers' load is forgotten, and the connection is retried with exponential backoff
-(0.1 s doubling to 5 s); once back, the buffered decisions and membership changes are
-published and the stream is read on from the last id seen.
+Nothing on the request path waits for Redis: decisions and load changes are queued and
+written at the end of the event-loop turn, unanswered (``publishing``). A background task
+publishes membership changes and takes over the writes while Redis is slow to read.
+Another task reads the other routers' streams (``XREAD BLOCK`` from the last ids seen,
+``streams``) and applies their entries to the local index and fleet (``applying``); a
+third rewrites this router's heartbeat (announce + in-flight per worker, with a TTL)
+and reads the others'. While Redis is down, slow or unreachable these tasks fail, the
+router routes on its local state, peers' load is forgotten, and the connection is
+retried with exponential backoff (0.1 s doubling to 5 s); once back, the buffered
+decisions and membership changes are published and the streams are read on from the
+last ids seen.
 
-Why a Stream and not pub/sub: pub/sub forgets a message a subscriber was not connected
+Why streams and not pub/sub: pub/sub forgets a message a subscriber was not connected
 for, silently. A stream keeps the last ``stream_len`` entries with ids, so a router that
 lost its connection, was slow or restarted reads on from its last id and misses nothing
 unless it fell more than ``stream_len`` entries behind (detected: a ``gap`` is counted
 and the worker list is reconciled from the ``workers`` hash). A new router replays the
-whole retained stream at start, so it begins with the fleet's recent routing state
-instead of an empty index. ``MAXLEN ~`` keeps memory bounded (an entry holds up to 64
-decisions of about 40 bytes plus 8 per 16 prompt tokens each). Entries are read 20 at a
-time, so applying a backlog (a new router's replay) holds the event loop for a few ms
+retained streams at start, so it begins with the fleet's recent routing state instead
+of an empty index. ``MAXLEN ~`` keeps memory bounded (an entry holds up to 64 decisions
+of about 40 bytes plus 8 per 16 prompt tokens each). Entries are read 20 at a time per
+stream, so applying a backlog (a new router's replay) holds the event loop for a few ms
 per read, never for the whole backlog.
 """
 
@@ -45,7 +36,6 @@ from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
-from redis.asyncio.connection import Connection
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -56,18 +46,18 @@ from kvroute.fleet.shared.digests import DigestIndex
 from kvroute.fleet.shared.heartbeat import heartbeat
 from kvroute.fleet.shared.loads import SharedLoad
 from kvroute.fleet.shared.members import Membership
+from kvroute.fleet.shared.publishing import Publisher, unanswered
 from kvroute.fleet.shared.streams import Streams
 from kvroute.routing.load import LoadModel
 
 log = logging.getLogger("kvroute.fleet.shared")
 
-WRITE_BUFFER = 1 << 20  # bytes not yet taken by Redis beyond which the request path stops writing
 READ_COUNT = 20  # entries per XREAD: at most 1,280 decisions applied per loop turn
 READ_BLOCK_MS = 500
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.1, 5.0
 
 
-class StateStore(Applier):
+class StateStore(Publisher, Applier):
     """This router's view of the shared state; ``peer_load`` is its main output.
 
     ``peer_load``: per worker, the requests other live routers have in flight on it
@@ -136,24 +126,6 @@ class StateStore(Applier):
         self._buf.append((worker, digests))
         if not self._soon:
             self._queued()
-
-    def _queued(self) -> None:
-        """Something was queued: write it once this event-loop turn is over, so that
-        every change made in the turn (a decision and its reservation, a burst of
-        requests) rides in one write."""
-        if self._writer is not None and not self._soon:
-            self._soon = True
-            asyncio.get_running_loop().call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._soon = False
-        writer = self._writer
-        if writer is None:
-            return  # disconnected since: the session's next start publishes it
-        if self.members.pending or writer.transport.get_write_buffer_size() > WRITE_BUFFER:
-            self._wake.set()  # membership first, or Redis is slow: the task waits for it
-            return
-        self._write(writer)
 
     def worker_added(self, url: str) -> None:
         """The admin API added ``url`` here: share it (queued like a decision)."""
@@ -227,7 +199,7 @@ class StateStore(Applier):
         assert client is not None
         await client.ping()
         await self._catch_up(client)
-        pub = await _unanswered(client)
+        pub = await unanswered(client)
         try:
             # The others follow this router's stream from now (``streams``).
             await client.xadd(
@@ -253,15 +225,6 @@ class StateStore(Applier):
             with contextlib.suppress(Exception):
                 await pub.disconnect()
 
-    async def _watch(self, pub: Connection) -> None:
-        """Ends the session when Redis closes the publishing connection (it sends
-        nothing else on it): what is written meanwhile is lost, as with any
-        fire-and-forget write to a dead peer."""
-        reader = pub._reader
-        assert reader is not None
-        await reader.read(1)  # EOF, an error, or (not expected) a reply
-        raise ConnectionError("the publishing connection closed")
-
     async def _catch_up(self, client: aioredis.Redis) -> None:
         """After (re)connecting: share the start-up workers and pending membership
         changes, notice a store that lost its data or a gap in the stream, and reconcile
@@ -275,33 +238,6 @@ class StateStore(Applier):
         await self.members.reconcile(client, lost)
 
     # ------------------------------------------------------------- loops
-
-    async def _publish_loop(self, client: aioredis.Redis, writer: asyncio.StreamWriter) -> None:
-        """Membership changes (awaited: kept until Redis has them), and what the
-        request path queued while Redis was slow or a membership change was pending."""
-        while True:
-            self._wake.clear()
-            await self.members.flush(client, self._rid, self.stream_len)
-            await writer.drain()  # Redis slow to read: wait here, the buffer stays bounded
-            self._write(writer)
-            if not self.members.pending and writer.transport.get_write_buffer_size() == 0:
-                await self._wake.wait()
-
-    def _write(self, writer: asyncio.StreamWriter) -> None:
-        """Everything queued, as ``XADD``s in one write; no reply comes back."""
-        shared = self.shared_load
-        queued = shared.take() if shared is not None and shared.dirty else b""
-        n = len(self._buf)
-        if not n and not queued:
-            return
-        batch = [self._buf.popleft() for _ in range(n)]
-        commands = []
-        for i in range(0, max(n, 1), wire.PER_ENTRY):
-            entry = wire.insert_entry(self._rid, batch[i : i + wire.PER_ENTRY], queued)
-            queued = b""  # rides with the first entry
-            commands.append(wire.xadd(self.streams.own, entry, self.stream_len))
-        writer.write(b"".join(commands))
-        self.counters.published += n
 
     async def _read_loop(self, client: aioredis.Redis) -> None:
         streams = self.streams
@@ -337,22 +273,6 @@ class StateStore(Applier):
         for theirs in load.values():
             for url, n in theirs.items():
                 self.peer_load[url] = self.peer_load.get(url, 0) + n
-
-
-async def _unanswered(client: aioredis.Redis) -> Connection:
-    """A connection of its own for publishing, on which Redis sends no replies (same
-    address, credentials, TLS and database as ``client``'s). The store writes to its
-    stream writer directly (redis-py's ``_writer``: a write is then one
-    ``transport.write``, no coroutine, no reply to read and parse)."""
-    pub: Connection = client.connection_pool.make_connection()  # type: ignore[no-untyped-call]
-    try:
-        await pub.connect()  # type: ignore[no-untyped-call]
-        await pub.send_command("CLIENT", "REPLY", "OFF")  # no reply to this one either
-    except BaseException:
-        with contextlib.suppress(Exception):
-            await pub.disconnect()
-        raise
-    return pub
 
 
 def _describe(e: BaseException) -> str:
