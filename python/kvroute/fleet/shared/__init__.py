@@ -7,8 +7,9 @@ router knows alone:
   the prompt's 64-bit block digests) to the router's own bounded Redis Stream and
   applied by the other routers to their own index. With the store on, the index is
   keyed by those digests (``DigestIndex``), so a peer's decision lands in the very tree
-  a local one does, under the same per-worker budget: a prefix routed by router A is matched by router B, and
-  every router evicts the same way. No prompt text or token ID leaves the router.
+  a local one does, under the same per-worker budget: a prefix routed by router A is
+  matched by router B, and every router evicts the same way. No prompt text or token
+  ID leaves the router.
 * **Load** (``loads``, ``store.StateStore.peer_load``): each router publishes its
   load per worker on the stream whenever it changes (requests in flight, those waiting
   for a first byte, their uncached tokens) and adds the others' to its own: the
