@@ -207,3 +207,23 @@ def test_xadd_is_the_command_redis_py_would_send() -> None:
     for k, v in entry.items():
         args += [k, v]
     assert wire.xadd(key, entry, 7) == b"".join(Connection().pack_command(*args))
+
+
+def test_a_router_reads_the_others_streams_not_its_own_and_drops_the_dead_once_read() -> None:
+    from kvroute.fleet.shared.streams import Streams
+
+    a, b, me = (wire.stream_of(r) for r in (b"a", b"b", b"me"))
+    s = Streams(me)
+    s.follow_routers(["me", "a", b"b"])
+    assert s.reading == {wire.STREAM_B, a, b}  # never its own
+    assert s.read_args() == {wire.STREAM_B: b"0", a: b"0", b: b"0"}  # replayed from the start
+    s.last[b] = b"7-0"
+    asked = set(s.reading)
+    s.done_reading(asked, full=set(), live=set())  # no heartbeat read yet: keep all
+    assert s.reading == asked
+    s.done_reading(asked, full={b}, live={a, me})  # b is gone but not read to its end
+    assert b in s.reading
+    s.done_reading(asked, full=set(), live={a, me})  # now it is
+    assert s.reading == {wire.STREAM_B, a}
+    s.follow(b)  # b greets again: read on from where it was left, never twice
+    assert s.read_args()[b] == b"7-0"
