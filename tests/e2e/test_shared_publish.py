@@ -105,3 +105,26 @@ async def test_changes_of_one_loop_turn_ride_in_one_unanswered_write(
     finally:
         c.close()
         await store.stop()
+
+
+async def test_a_redis_that_refuses_client_reply_is_reported_and_routing_stays_local(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    c = redis_server.client()
+    c.execute_command("ACL", "SETUSER", "kv", "on", ">pw", "~*", "&*", "+@all", "-client")
+    c.close()
+    registry = Registry(Settings(worker_urls=[W]).validate())
+    registry.add(W)
+    index = DigestIndex()
+    url = f"redis://kv:pw@127.0.0.1:{redis_server.port}/0"
+    store = StateStore(StoreURL(url), registry, index, router_url="http://r:1", version="t")
+    await store.start()
+    try:
+        assert await until(lambda: store.counters.errors >= 2, within=10)
+        index.insert(W, prompt(1))  # routing goes on, on local state
+        assert index.match(prompt(1)) == {W: 64}
+        assert "answered on the publishing connection" in caplog.text
+        assert "NOPERM" in caplog.text or "no permissions" in caplog.text
+        assert "pw@" not in caplog.text
+    finally:
+        await store.stop()

@@ -75,6 +75,8 @@ class Publisher:
         while True:
             self._wake.clear()
             await self.members.flush(client, self._rid, self.stream_len)
+            if (task := asyncio.current_task()) is not None and task.cancelling():
+                raise asyncio.CancelledError  # swallowed by redis-py: ``store.cancelled_meanwhile``
             await writer.drain()  # Redis slow to read: wait here, the buffer stays bounded
             self._write(writer)
             if not self.members.pending and writer.transport.get_write_buffer_size() == 0:

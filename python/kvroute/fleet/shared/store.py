@@ -108,6 +108,7 @@ class StateStore(Publisher, Applier):
         self._writer: asyncio.StreamWriter | None = None
         self._soon = False
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
         self._client: aioredis.Redis | None = None
         if index is not None:
             index.on_insert = self.publish_insert
@@ -155,6 +156,7 @@ class StateStore(Publisher, Applier):
         self._task = asyncio.create_task(self._run(), name="kvroute-state-store")
 
     async def stop(self) -> None:
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -170,14 +172,18 @@ class StateStore(Publisher, Applier):
     async def _run(self) -> None:
         delay = BACKOFF_MIN_S
         while True:
+            began = time.monotonic()
             try:
                 await self._session()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # Redis down/slow/refusing: keep routing locally
+                if self._stopping:  # a cancellation redis-py swallowed (cancelled_meanwhile)
+                    raise asyncio.CancelledError from e
                 self.counters.errors += 1
                 if self.connected:
-                    delay = BACKOFF_MIN_S
+                    if time.monotonic() - began > BACKOFF_MAX_S:  # else: failing at once
+                        delay = BACKOFF_MIN_S
                     log.warning(
                         "state store %s lost (%s); routing on local state, reconnecting",
                         self.url.redacted,
@@ -244,6 +250,7 @@ class StateStore(Publisher, Applier):
         while True:
             asked = streams.read_args()
             got: Any = await client.xread(asked, count=READ_COUNT, block=READ_BLOCK_MS)  # type: ignore[arg-type]
+            cancelled_meanwhile()
             full = set()
             for key, entries in got or ():
                 if len(entries) >= READ_COUNT:
@@ -257,6 +264,7 @@ class StateStore(Publisher, Applier):
     async def _heartbeat_loop(self, client: aioredis.Redis) -> None:
         while True:
             await self._beat(client)
+            cancelled_meanwhile()
             await asyncio.sleep(self.heartbeat_s)
 
     async def _beat(self, client: aioredis.Redis) -> None:
@@ -273,6 +281,17 @@ class StateStore(Publisher, Applier):
         for theirs in load.values():
             for url, n in theirs.items():
                 self.peer_load[url] = self.peer_load.get(url, 0) + n
+
+
+def cancelled_meanwhile() -> None:
+    """Raise CancelledError if this task was cancelled while a redis-py command ran.
+    redis-py can swallow a cancellation that lands while it reads a reply (seen with a
+    blocked ``XREAD``, redis-py 8.1): a loop going on would never end, and neither would
+    a session whose other task failed, nor ``stop``. (Only in the session's tasks: the
+    task running a ``TaskGroup`` is cancelled by it when a child fails.)"""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 def _describe(e: BaseException) -> str:
