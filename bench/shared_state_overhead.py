@@ -5,17 +5,24 @@
    whose inserts are queued for publishing (``StateStore.publish_insert``). The
    difference is what the store adds to routing a request.
 2. Background, with a real ``redis-server`` on loopback: one store publishes N decisions
-   (pipelined ``XADD``) alone, then again with another store in the same process reading
-   and applying them (``XREAD``, ``insert_digests``); the process's CPU time over N is
-   the publishing cost, then publish + apply (Redis's own CPU is another process's).
-3. Queued prefill (``fleet.shared.loads``), with the same redis-server: requests one
-   at a time as a router sees them (decision, work reserved, first byte, end, the event
-   loop running the store's tasks in between): without a store, with decisions shared,
-   and with the work model's queued prefill shared too; the process's CPU per request,
-   the three interleaved in one run.
+   queued up front (``XADD`` on a connection Redis does not answer) alone, then again
+   with another store in the same process reading and applying them (``XREAD``,
+   ``insert_digests``); the process's CPU time over N is the publishing cost, then
+   publish + apply (Redis's own CPU is another process's).
+3. Per request as a router sees it, with the same redis-server: each request's decision
+   (match, insert, work reserved), then its first byte, then its end, ``--concurrency``
+   requests changing in one event-loop turn (1: one at a time, every change published
+   by itself; 16: as under load) and the loop idling in between. Without a store (token
+   index; digest index), with the store as it publishes now, the same with its reading
+   task idle (publishing alone), and with ``--before-store`` an earlier version of the
+   store (the same requests, same process: a before/after from one run); per
+   reply parser (``--parser``: redis-py's pure-Python one or hiredis). All interleaved
+   in one run (``--rounds``) so the shared machine's noise hits them alike. uvloop by
+   default, as ``kvroute serve`` runs.
 
 Usage:
-    python bench/shared_state_overhead.py --tokens 2000,8000 --n 2000
+    python bench/shared_state_overhead.py --tokens 2000,8000 --n 1000
+    python bench/shared_state_overhead.py --skip-background --concurrency 1,16 --n 1000
 """
 
 from __future__ import annotations
@@ -27,10 +34,15 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from redis._parsers import _AsyncHiredisParser, _AsyncRESP2Parser
+from redis.utils import HIREDIS_AVAILABLE
 
 from kvroute._native import PrefixIndex
 from kvroute.config import Settings, StoreURL
@@ -55,51 +67,115 @@ def prompts(n: int, tokens: int, groups: int = 64) -> list[array.array[int]]:
     ]
 
 
-def make_store(url: str, index: DigestIndex | None, work: LoadModel | None = None) -> StateStore:
+KINDS: dict[str, type] = {}  # filled below: mode -> store class
+PARSERS: dict[str, Any] = {"python": _AsyncRESP2Parser}
+if HIREDIS_AVAILABLE:
+    PARSERS["hiredis"] = _AsyncHiredisParser
+
+
+class Unread(StateStore):
+    """Publishing only: the reading task idles (what reading back the store's own
+    entries costs is the difference to ``StateStore``)."""
+
+    async def _read_loop(self, client: Any) -> None:
+        await asyncio.Event().wait()
+
+
+KINDS.update(store=StateStore, unread=Unread)
+
+
+def load_before(path: str) -> None:
+    """``--before-store``: an earlier ``fleet/shared/store.py`` (e.g. ``git show
+    a7687a3:python/kvroute/fleet/shared/store.py``), run as mode ``before`` in the same
+    process against today's other modules, for a before/after in one run."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kvroute.fleet.shared._before", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    KINDS["before"] = module.StateStore
+
+
+async def stop(store: StateStore) -> None:
+    """``store.stop()``, cancelling the store's tasks again while it hangs: a store
+    before ``363f2ec`` (``--before-store``) could miss a cancellation that landed while
+    redis-py read a reply, and go on."""
+    stopping = asyncio.ensure_future(store.stop())
+    for _ in range(20):
+        done, _ = await asyncio.wait({stopping}, timeout=0.5)
+        if done:
+            return
+        for task in asyncio.all_tasks():  # the store's (this process runs nothing else)
+            if task is not stopping and task is not asyncio.current_task():
+                task.cancel()
+    raise RuntimeError("the store did not stop")
+
+
+def make_store(
+    url: str, index: DigestIndex | None, work: LoadModel | None = None, cls: type = StateStore
+) -> StateStore:
     registry = Registry(Settings(worker_urls=WORKERS).validate())
     for w in WORKERS:
         registry.add(w)
-    return StateStore(
+    return cls(  # type: ignore[no-any-return]
         StoreURL(url), registry, index, router_url="http://x:1", version="bench", work=work
     )
 
 
-async def one_at_a_time(url: str, tokens: int, n: int, *, mode: str) -> float:
-    """CPU µs per request routed one at a time, publishing included. ``mode``: ``none``
-    (no store: the token-keyed index), ``decisions``, ``prefill`` (decisions and queued
-    prefill shared)."""
+async def requests(
+    url: str, tokens: int, n: int, *, mode: str, concurrency: int, parser: str = "hiredis"
+) -> float:
+    """CPU µs per request, publishing included, as a router sees requests: each one's
+    decision (match, insert, work reserved), then its first byte, then its end;
+    ``concurrency`` requests change in one event-loop turn (1: one at a time, every
+    change published alone; more: as under load, changes of many requests together).
+    Between turns the loop idles (a short real sleep) until the store has written
+    what was queued, so nothing coalesces by accident. ``mode``: ``token`` (no store:
+    the token-keyed index), ``digest`` (no store: the digest index a store uses),
+    ``store`` (decisions and load shared through Redis), ``unread`` (the same, the
+    reading task idle: publishing alone), ``before`` (``--before-store``)."""
     ps = prompts(n, tokens)
     model = LoadModel()
     for w in WORKERS:
         model.add_worker(w)
-    index: DigestIndex | PrefixIndex = PrefixIndex(None)
+    index: DigestIndex | PrefixIndex = PrefixIndex(None) if mode == "token" else DigestIndex(None)
     store = None
     deadline = time.monotonic() + 30
-    if mode != "none":
-        index = DigestIndex(None)
-        store = make_store(url, index, model if mode == "prefill" else None)
+    if mode in KINDS:
+        assert isinstance(index, DigestIndex)
+        store = make_store(url, index, model, KINDS[mode])
         store._buf_len = n + 1
-        await store.start()
+        await store.start()  # connects in a task: the parser is set before it runs
+        assert store._client is not None
+        store._client.connection_pool.connection_kwargs["parser_class"] = PARSERS[parser]
         while not store.connected and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
+
+    async def idle() -> None:
+        await asyncio.sleep(0.0005)
+        while store is not None and (store._buf or store.shared_load.dirty):  # type: ignore[union-attr]  # noqa: ASYNC110
+            await asyncio.sleep(0.0005)
+
     t0 = time.process_time_ns()
-    for i, p in enumerate(ps):
-        w = WORKERS[i % 8]
-        index.longest_match(p)
-        index.insert(w, p)
-        ticket = model.reserve(w, len(p), 100, 0.0)
-        await asyncio.sleep(0)  # the store's tasks run between requests
-        ticket.first_byte(0.1)
-        await asyncio.sleep(0)
-        ticket.end(0.2)
-        await asyncio.sleep(0)
-    while store is not None and time.monotonic() < deadline + 120:
-        if store.counters.published >= n and not (store.shared_load and store.shared_load.dirty):
-            break
-        await asyncio.sleep(0.01)
+    for start in range(0, n, concurrency):
+        tickets = []
+        for i in range(start, min(start + concurrency, n)):
+            p, w = ps[i], WORKERS[i % 8]
+            index.longest_match(p)
+            index.insert(w, p)
+            tickets.append(model.reserve(w, len(p), 100, 0.0))
+        await idle()
+        for t in tickets:
+            t.first_byte(0.1)
+        await idle()
+        for t in tickets:
+            t.end(0.2)
+        await idle()
     spent = time.process_time_ns() - t0
     if store is not None:
-        await store.stop()
+        assert store.counters.published == n, store.counters
+        await stop(store)
     return spent / n / 1000
 
 
@@ -153,7 +229,7 @@ async def background(url: str, tokens: int, n: int, *, apply: bool) -> float:
     spent = time.process_time_ns() - t0
     assert done(), [s.counters for s in stores]
     for s in stores:
-        await s.stop()
+        await stop(s)
     return spent / n / 1000
 
 
@@ -161,11 +237,34 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tokens", default="2000,8000")
     ap.add_argument("--n", type=int, default=2000)
+    ap.add_argument(
+        "--concurrency",
+        default="1,16",
+        help="requests whose changes fall in one event-loop turn (1: one at a time)",
+    )
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds to average")
+    ap.add_argument(
+        "--loop", choices=("uvloop", "asyncio"), default="uvloop", help="serve runs uvloop"
+    )
+    ap.add_argument(
+        "--parser",
+        default="hiredis,python",
+        help="redis-py's reply parser(s) to measure: hiredis (when installed), python",
+    )
+    ap.add_argument(
+        "--before-store",
+        default="",
+        help="an earlier fleet/shared/store.py to measure in the same run (column 'before')",
+    )
+    ap.add_argument("--skip-background", action="store_true", help="only the third table")
     args = ap.parse_args()
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    run = uvloop.run if args.loop == "uvloop" else asyncio.run
     sizes = [int(t) for t in args.tokens.split(",")]
-    print("| prompt tokens | match+insert, no store (µs) | with store (µs) | added (µs) |")
-    print("|---|---|---|---|")
-    for t in sizes:
+    if not args.skip_background:
+        print("| prompt tokens | match+insert, no store (µs) | with store (µs) | added (µs) |")
+        print("|---|---|---|---|")
+    for t in sizes if not args.skip_background else ():
         plain, shared = request_path(t, args.n)
         print(f"| {t:,} | {plain:.1f} | {shared:.1f} | {shared - plain:+.1f} |", flush=True)
     server = shutil.which("redis-server")
@@ -179,32 +278,52 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         redis = RedisServer(Path(d))
         try:
-            print("\n| prompt tokens | publish (µs/request) | publish + apply (µs/request) |")
-            print("|---|---|---|")
-            for t in sizes:
+            if not args.skip_background:
+                print("\n| prompt tokens | publish (µs/request) | publish + apply (µs/request) |")
+                print("|---|---|---|")
+            for t in sizes if not args.skip_background else ():
                 row = []
                 for apply in (False, True):
                     with redis.client() as c:
                         c.flushdb()  # a fresh stream: the reader must not replay a past run
-                    row.append(asyncio.run(background(redis.url, t, args.n, apply=apply)))
+                    row.append(run(background(redis.url, t, args.n, apply=apply)))
                 print(f"| {t:,} | {row[0]:.1f} | {row[1]:.1f} |", flush=True)
             print(
-                "\n| prompt tokens | no store (µs/request) | decisions shared "
-                "| decisions + queued prefill |"
+                "\n| prompt tokens | requests per loop turn | reply parser "
+                "| no store, token index (µs/request) | no store, digest index "
+                "| store before | store | store, reading idle "
+                "| store − digest: before / now | publishing alone (reading idle − digest) |"
             )
-            print("|---|---|---|---|")
-            modes = ("none", "decisions", "prefill")
+            print("|---|---|---|---|---|---|---|---|---|---|")
+            if args.before_store:
+                load_before(args.before_store)
+            modes = tuple(
+                m
+                for m in ("token", "digest", "before", "store", "unread")
+                if m in KINDS or m in ("token", "digest")
+            )
             for t in sizes:
-                sums = dict.fromkeys(modes, 0.0)
-                for _ in range(3):  # interleaved rounds
-                    for mode in modes:
-                        with redis.client() as c:
-                            c.flushdb()
-                        coro = one_at_a_time(redis.url, t, args.n, mode=mode)
-                        sums[mode] += asyncio.run(coro) / 3
-                base = sums["none"]
-                cells = " | ".join(f"{sums[m]:.1f} ({sums[m] - base:+.1f})" for m in modes[1:])
-                print(f"| {t:,} | {base:.1f} | {cells} |", flush=True)
+                for c in concurrency:
+                    for parser in args.parser.split(","):
+                        sums = dict.fromkeys(modes, 0.0)
+                        for _ in range(args.rounds):  # interleaved rounds
+                            for mode in modes:
+                                with redis.client() as cl:
+                                    cl.flushdb()
+                                coro = requests(
+                                    redis.url, t, args.n, mode=mode, concurrency=c, parser=parser
+                                )
+                                sums[mode] += run(coro) / args.rounds
+                        tok, dig, sto, unr = (
+                            sums[m] for m in ("token", "digest", "store", "unread")
+                        )
+                        rep = sums.get("before", float("nan"))
+                        print(
+                            f"| {t:,} | {c} | {parser} | {tok:.1f} | {dig:.1f} | {rep:.1f} | "
+                            f"{sto:.1f} | {unr:.1f} | {rep - dig:+.1f} / {sto - dig:+.1f} "
+                            f"| {unr - dig:+.1f} |",
+                            flush=True,
+                        )
         finally:
             redis.stop()
     return 0

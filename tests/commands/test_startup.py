@@ -174,6 +174,8 @@ OTHER_PROGRAMS = {
     "--jitter-ms",  # bench/sim_shared_state.py
     "--jitter-seed",  # bench/sim_shared_state.py
     "--diagnose",  # bench/sim_shared_state.py
+    "--tokens",  # bench/shared_state_overhead.py
+    "--before-store",  # bench/shared_state_overhead.py
 }
 
 

@@ -278,7 +278,7 @@ def test_redis_killed_mid_run(
         with back.client() as c:
             mine = [
                 f
-                for _, f in c.xrange("kvroute:stream")
+                for _, f in c.xrange(f"kvroute:stream:{r0}")
                 if f[b"r"] == r0.encode() and f[b"k"] == b"i"
             ]
         last = list(unpack_inserts(mine[-1][b"b"]))[-1]
@@ -324,7 +324,7 @@ def test_redis_paused_delays_no_request(
     assert wait_until(lambda: metric(rs[0], "kvroute_state_store_buffered") == 0)
     r0 = next(r["id"] for r in httpx.get(rs[0].url + "/routers").json() if r["self"])
     with redis_server.client() as c:
-        entries = [f for _, f in c.xrange("kvroute:stream") if f[b"r"] == r0.encode()]
+        entries = [f for _, f in c.xrange(f"kvroute:stream:{r0}") if f[b"r"] == r0.encode()]
     published = sum(len(list(unpack_inserts(f[b"b"]))) for f in entries if f[b"k"] == b"i")
     assert wait_until(lambda: applied(rs[1]) >= published), (applied(rs[1]), published)
     assert ask(rs[1], group_prompt(77, 1)).headers["x-kvroute-worker"] == home

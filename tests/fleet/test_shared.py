@@ -155,6 +155,9 @@ def test_load_reaches_the_other_routers_as_it_changes() -> None:
     assert theirs.peer == {"http://a": 2}
     assert theirs.ahead("http://a") > before + 7000 / 15_000
     assert theirs.ahead("http://b") == 0.0
+    # Their queued requests are the ones a new prefill would delay, too: the work
+    # guard weighs the fleet's queue, not a third of it (2 waiting over 2 workers).
+    assert theirs.queued_per_worker(["http://a", "http://b"]) == 1.0
     t1.first_byte(0.1)  # decoding: still in flight, no longer queued for prefill
     sub.apply(b"r1", pub.take())
     assert (sub.flight, sub.pending, sub.tokens) == (
@@ -187,3 +190,40 @@ def test_load_reaches_the_other_routers_as_it_changes() -> None:
     )
     with pytest.raises(ValueError):
         sub.apply(b"r3", b"\x08\x00\x03\x00")
+
+
+def test_xadd_is_the_command_redis_py_would_send() -> None:
+    from redis.connection import Connection
+
+    key = wire.stream_of(b"abc")
+    entry = wire.insert_entry(b"abc", [("http://w:1", b"\x01" * 16)], b"\x02" * 30)
+    args: list[bytes | int] = [b"XADD", key, b"MAXLEN", b"~", 2000, b"*"]
+    for k, v in entry.items():
+        args += [k, v]
+    assert wire.xadd(key, entry, 2000) == b"".join(Connection().pack_command(*args))
+    # Field names and heads are cached: a second entry of another shape still encodes right.
+    entry = wire.hello_entry(b"abc")
+    args = [b"XADD", key, b"MAXLEN", b"~", 7, b"*"]
+    for k, v in entry.items():
+        args += [k, v]
+    assert wire.xadd(key, entry, 7) == b"".join(Connection().pack_command(*args))
+
+
+def test_a_router_reads_the_others_streams_not_its_own_and_drops_the_dead_once_read() -> None:
+    from kvroute.fleet.shared.streams import Streams
+
+    a, b, me = (wire.stream_of(r) for r in (b"a", b"b", b"me"))
+    s = Streams(me)
+    s.follow_routers(["me", "a", b"b"])
+    assert s.reading == {wire.STREAM_B, a, b}  # never its own
+    assert s.read_args() == {wire.STREAM_B: b"0", a: b"0", b: b"0"}  # replayed from the start
+    s.last[b] = b"7-0"
+    asked = set(s.reading)
+    s.done_reading(asked, full=set(), live=set())  # no heartbeat read yet: keep all
+    assert s.reading == asked
+    s.done_reading(asked, full={b}, live={a, me})  # b is gone but not read to its end
+    assert b in s.reading
+    s.done_reading(asked, full=set(), live={a, me})  # now it is
+    assert s.reading == {wire.STREAM_B, a}
+    s.follow(b)  # b greets again: read on from where it was left, never twice
+    assert s.read_args()[b] == b"7-0"

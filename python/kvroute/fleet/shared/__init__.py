@@ -4,11 +4,12 @@ Three things are shared, each so that losing Redis only degrades routing to what
 router knows alone:
 
 * **Routing state** (``digests``, ``store``): every decision is published as (worker,
-  the prompt's 64-bit block digests) to a bounded Redis Stream and applied by the other
-  routers to their own index. With the store on, the index is keyed by those digests
-  (``DigestIndex``), so a peer's decision lands in the very tree a local one does, under
-  the same per-worker budget: a prefix routed by router A is matched by router B, and
-  every router evicts the same way. No prompt text or token ID leaves the router.
+  the prompt's 64-bit block digests) to the router's own bounded Redis Stream and
+  applied by the other routers to their own index. With the store on, the index is
+  keyed by those digests (``DigestIndex``), so a peer's decision lands in the very tree
+  a local one does, under the same per-worker budget: a prefix routed by router A is
+  matched by router B, and every router evicts the same way. No prompt text or token
+  ID leaves the router.
 * **Load** (``loads``, ``store.StateStore.peer_load``): each router publishes its
   load per worker on the stream whenever it changes (requests in flight, those waiting
   for a first byte, their uncached tokens) and adds the others' to its own: the
@@ -21,9 +22,11 @@ router knows alone:
   themselves with the same heartbeat, and ``/status``, ``/routers`` and ``/workers``
   (a header; ``?include=routers``) show the live ones.
 
-``wire`` documents the keys; ``store`` the failure semantics and why a stream;
-``applying`` what a peer's entry does here; ``members`` how the worker list is kept in
-step; ``heartbeat`` the load and live-router records; ``loads`` the load shared as it changes.
+``wire`` documents the keys; ``store`` the failure semantics and why streams;
+``publishing`` how a router writes without waiting; ``streams`` why one stream per
+router and which ones a router reads; ``applying`` what a peer's entry does here;
+``members`` how the worker list is kept in step; ``heartbeat`` the load and live-router
+records; ``loads`` the load shared as it changes.
 """
 
 from kvroute.fleet.shared.applying import StoreCounters

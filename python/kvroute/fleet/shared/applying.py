@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from kvroute.fleet.shared.digests import DigestIndex
     from kvroute.fleet.shared.loads import SharedLoad
     from kvroute.fleet.shared.members import Membership
+    from kvroute.fleet.shared.streams import Streams
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Applier:
     shared_load: SharedLoad | None
     counters: StoreCounters
     peer_load: dict[str, int]
+    streams: Streams
 
     def _apply(self, fields: dict[bytes, bytes]) -> None:
         if fields.get(b"r") == self._rid:
@@ -61,6 +63,9 @@ class Applier:
             except ValueError:
                 self.counters.malformed += 1
         if kind == wire.LOAD:
+            return
+        if kind == wire.HELLO:  # a router connected: read its stream from now on
+            self.streams.follow(wire.stream_of(fields.get(b"r", b"")))
             return
         if kind == wire.INSERT:
             t = fields.get(b"t", b"")

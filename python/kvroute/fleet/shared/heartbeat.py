@@ -2,9 +2,10 @@
 
 Each router owns one hash, ``kvroute:router:<id>``, rewritten whole every heartbeat in a
 transaction (``DEL``, ``HSET``, ``PEXPIRE``), so it never mixes two beats and disappears
-by itself ``ttl_ms`` after the router's last beat: a crashed or partitioned router's
-load stops counting without anyone having to notice it died. The live set is read with
-``SCAN`` over the few router keys and one pipelined ``HGETALL`` each.
+by itself ``ttl_ms`` after the router's last beat (its stream, ``streams``, an hour
+after): a crashed or partitioned router's load stops counting without anyone having
+to notice it died. The live set is read with ``SCAN`` over the few router keys and one
+pipelined ``HGETALL`` each.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import orjson
 import redis.asyncio as aioredis
 
 import kvroute.fleet.shared.wire as wire
+from kvroute.fleet.shared.streams import STREAM_TTL_MS
 
 
 async def heartbeat(
@@ -31,6 +33,7 @@ async def heartbeat(
     pipe.delete(key)
     pipe.hset(key, mapping=fields)
     pipe.pexpire(key, ttl_ms)
+    pipe.pexpire(wire.stream_of(router_id.encode()), STREAM_TTL_MS)
     await pipe.execute()
     keys = [k async for k in client.scan_iter(match=wire.ROUTER + "*", count=100)]
     pipe = client.pipeline(transaction=False)

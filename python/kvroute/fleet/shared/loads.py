@@ -43,9 +43,12 @@ def pack(values: list[tuple[str, int, int, int]]) -> bytes:
     parts: list[bytes] = []
     for url, flight, n, tokens in values:
         raw = url.encode()
-        clamp = (min(max(0, v), _MAX) for v in (flight, n, tokens))
-        parts += (_REC.pack(len(raw), *clamp), raw)
+        parts += (_REC.pack(len(raw), _clamp(flight), _clamp(n), _clamp(tokens)), raw)
     return b"".join(parts)
+
+
+def _clamp(v: int) -> int:
+    return v if 0 <= v <= _MAX else min(max(0, v), _MAX)
 
 
 def unpack(blob: bytes) -> Iterator[tuple[str, int, int, int]]:

@@ -1,25 +1,26 @@
 """The shared-state client: one background task per router talking to Redis.
 
-Nothing on the request path waits for Redis. A routing decision is appended to a bounded
-in-memory buffer (``publish_insert``, O(1); when the buffer is full the oldest entry is
-dropped and counted) and a background task drains it into the stream in pipelined
-batches. Another task reads the other routers' entries (``XREAD BLOCK`` from the last id
-seen) and applies them to the local index and fleet; a third rewrites this router's
-heartbeat (announce + in-flight per worker, with a TTL) and reads the others'. While
-Redis is down, slow or unreachable these tasks fail, the router routes on its local
-state, peers' load is forgotten, and the connection is retried with exponential backoff
-(0.1 s doubling to 5 s); once back, the buffered decisions and membership changes are
-published and the stream is read on from the last id seen.
+Nothing on the request path waits for Redis: decisions and load changes are queued and
+written at the end of the event-loop turn, unanswered (``publishing``). A background task
+publishes membership changes and takes over the writes while Redis is slow to read.
+Another task reads the other routers' streams (``XREAD BLOCK`` from the last ids seen,
+``streams``) and applies their entries to the local index and fleet (``applying``); a
+third rewrites this router's heartbeat (announce + in-flight per worker, with a TTL)
+and reads the others'. While Redis is down, slow or unreachable these tasks fail, the
+router routes on its local state, peers' load is forgotten, and the connection is
+retried with exponential backoff (0.1 s doubling to 5 s); once back, the buffered
+decisions and membership changes are published and the streams are read on from the
+last ids seen.
 
-Why a Stream and not pub/sub: pub/sub forgets a message a subscriber was not connected
+Why streams and not pub/sub: pub/sub forgets a message a subscriber was not connected
 for, silently. A stream keeps the last ``stream_len`` entries with ids, so a router that
 lost its connection, was slow or restarted reads on from its last id and misses nothing
 unless it fell more than ``stream_len`` entries behind (detected: a ``gap`` is counted
 and the worker list is reconciled from the ``workers`` hash). A new router replays the
-whole retained stream at start, so it begins with the fleet's recent routing state
-instead of an empty index. ``MAXLEN ~`` keeps memory bounded (an entry holds up to 64
-decisions of about 40 bytes plus 8 per 16 prompt tokens each). Entries are read 20 at a
-time, so applying a backlog (a new router's replay) holds the event loop for a few ms
+retained streams at start, so it begins with the fleet's recent routing state instead
+of an empty index. ``MAXLEN ~`` keeps memory bounded (an entry holds up to 64 decisions
+of about 40 bytes plus 8 per 16 prompt tokens each). Entries are read 20 at a time per
+stream, so applying a backlog (a new router's replay) holds the event loop for a few ms
 per read, never for the whole backlog.
 """
 
@@ -45,17 +46,18 @@ from kvroute.fleet.shared.digests import DigestIndex
 from kvroute.fleet.shared.heartbeat import heartbeat
 from kvroute.fleet.shared.loads import SharedLoad
 from kvroute.fleet.shared.members import Membership
+from kvroute.fleet.shared.publishing import Publisher, unanswered
+from kvroute.fleet.shared.streams import Streams
 from kvroute.routing.load import LoadModel
 
 log = logging.getLogger("kvroute.fleet.shared")
 
-BATCH = 512  # stream entries per pipelined round trip
 READ_COUNT = 20  # entries per XREAD: at most 1,280 decisions applied per loop turn
 READ_BLOCK_MS = 500
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.1, 5.0
 
 
-class StateStore(Applier):
+class StateStore(Publisher, Applier):
     """This router's view of the shared state; ``peer_load`` is its main output.
 
     ``peer_load``: per worker, the requests other live routers have in flight on it
@@ -99,16 +101,21 @@ class StateStore(Applier):
         self._buf: deque[tuple[str, bytes]] = deque()
         self._buf_len = buffer_len
         self.members = Membership(registry, self.counters.applied, buffer_len)
-        self._last_id = b"0"  # replay the retained stream at start
+        self.streams = Streams(wire.stream_of(self._rid))  # replayed from their start
         self._wake = asyncio.Event()
+        # The publishing connection's writer while connected (``_unanswered``), and
+        # whether a write is already scheduled for the end of this event-loop turn.
+        self._writer: asyncio.StreamWriter | None = None
+        self._soon = False
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
         self._client: aioredis.Redis | None = None
         if index is not None:
             index.on_insert = self.publish_insert
         # The work model's load and queued prefill, shared both ways (``loads``).
         self.shared_load = None
         if work is not None:
-            self.shared_load = SharedLoad(work, self._wake.set, self.peer_load)
+            self.shared_load = SharedLoad(work, self._queued, self.peer_load)
 
     # ------------------------------------------------------------- request path
 
@@ -118,8 +125,8 @@ class StateStore(Applier):
             self._buf.popleft()
             self.counters.dropped += 1
         self._buf.append((worker, digests))
-        if not self._wake.is_set():
-            self._wake.set()
+        if not self._soon:
+            self._queued()
 
     def worker_added(self, url: str) -> None:
         """The admin API added ``url`` here: share it (queued like a decision)."""
@@ -149,6 +156,7 @@ class StateStore(Applier):
         self._task = asyncio.create_task(self._run(), name="kvroute-state-store")
 
     async def stop(self) -> None:
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -164,14 +172,18 @@ class StateStore(Applier):
     async def _run(self) -> None:
         delay = BACKOFF_MIN_S
         while True:
+            began = time.monotonic()
             try:
                 await self._session()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # Redis down/slow/refusing: keep routing locally
+                if self._stopping:  # a cancellation redis-py swallowed (cancelled_meanwhile)
+                    raise asyncio.CancelledError from e
                 self.counters.errors += 1
                 if self.connected:
-                    delay = BACKOFF_MIN_S
+                    if time.monotonic() - began > BACKOFF_MAX_S:  # else: failing at once
+                        delay = BACKOFF_MIN_S
                     log.warning(
                         "state store %s lost (%s); routing on local state, reconnecting",
                         self.url.redacted,
@@ -193,77 +205,73 @@ class StateStore(Applier):
         assert client is not None
         await client.ping()
         await self._catch_up(client)
-        if self.shared_load is not None:
-            self.shared_load.resend_all()
-        self.connected = True
-        self.counters.connects += 1
-        log.info("state store %s connected (router id %s)", self.url.redacted, self.id)
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(self._publish_loop(client))
-            tg.create_task(self._read_loop(client))
-            tg.create_task(self._heartbeat_loop(client))
+        pub = await unanswered(client)
+        try:
+            # The others follow this router's stream from now (``streams``).
+            await client.xadd(
+                wire.STREAM,
+                wire.hello_entry(self._rid),  # type: ignore[arg-type]
+                maxlen=self.stream_len,
+                approximate=True,
+            )
+            if self.shared_load is not None:
+                self.shared_load.resend_all()
+            self.connected = True
+            self.counters.connects += 1
+            log.info("state store %s connected (router id %s)", self.url.redacted, self.id)
+            self._writer = pub._writer  # redis-py's, once connected; see _unanswered
+            assert self._writer is not None
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._publish_loop(client, self._writer))
+                tg.create_task(self._read_loop(client))
+                tg.create_task(self._heartbeat_loop(client))
+                tg.create_task(self._watch(pub))
+        finally:
+            self._writer = None
+            with contextlib.suppress(Exception):
+                await pub.disconnect()
 
     async def _catch_up(self, client: aioredis.Redis) -> None:
         """After (re)connecting: share the start-up workers and pending membership
         changes, notice a store that lost its data or a gap in the stream, and reconcile
         the worker list with the shared one."""
         lost = await self.members.connected(client, self._rid, self.stream_len)
-        if self._last_id != b"0":
-            latest: Any = await client.xrevrange(wire.STREAM, count=1)
-            first: Any = await client.xrange(wire.STREAM, count=1)
-            last = wire.parse_id(self._last_id)
-            if not latest or wire.parse_id(latest[0][0]) < last:
-                self._last_id = b"0"  # a new stream: read it from the start
-            elif first and wire.parse_id(first[0][0]) > last:
-                self.counters.gaps += 1
-                log.warning("state store: fell behind the stream's retention; resynchronised")
+        await self.streams.discover(client)
+        gaps = await self.streams.check(client)
+        if gaps:
+            self.counters.gaps += gaps
+            log.warning("state store: fell behind the streams' retention; resynchronised")
         await self.members.reconcile(client, lost)
 
     # ------------------------------------------------------------- loops
 
-    async def _publish_loop(self, client: aioredis.Redis) -> None:
-        while True:
-            shared = self.shared_load
-            if not self._buf and not self.members.pending and not (shared and shared.dirty):
-                self._wake.clear()
-                await self._wake.wait()
-            await self.members.flush(client, self._rid, self.stream_len)
-            n = min(len(self._buf), BATCH)
-            queued = shared.take() if shared is not None and shared.dirty else b""
-            if not n and not queued:
-                continue
-            batch = [self._buf.popleft() for _ in range(n)]
-            pipe = client.pipeline(transaction=False)
-            for i in range(0, max(n, 1), wire.PER_ENTRY):
-                entry = wire.insert_entry(self._rid, batch[i : i + wire.PER_ENTRY], queued)
-                queued = b""  # rides with the first entry
-                pipe.xadd(wire.STREAM, entry, maxlen=self.stream_len, approximate=True)  # type: ignore[arg-type]
-            try:
-                await pipe.execute()
-            except Exception:
-                self.counters.dropped += n  # fire-and-forget: lost with the connection
-                raise
-            self.counters.published += n
-
     async def _read_loop(self, client: aioredis.Redis) -> None:
+        streams = self.streams
         while True:
-            got: Any = await client.xread(
-                {wire.STREAM: self._last_id}, count=READ_COUNT, block=READ_BLOCK_MS
-            )
-            for _stream, entries in got or ():
+            asked = streams.read_args()
+            got: Any = await client.xread(asked, count=READ_COUNT, block=READ_BLOCK_MS)  # type: ignore[arg-type]
+            cancelled_meanwhile()
+            full = set()
+            for key, entries in got or ():
+                if len(entries) >= READ_COUNT:
+                    full.add(key)
                 for entry_id, fields in entries:
-                    self._last_id = entry_id
+                    streams.last[key] = entry_id
                     self._apply(fields)
+            live = {wire.stream_of(rid.encode()) for rid in self.routers}
+            streams.done_reading(asked, full, live)
 
     async def _heartbeat_loop(self, client: aioredis.Redis) -> None:
         while True:
             await self._beat(client)
+            cancelled_meanwhile()
             await asyncio.sleep(self.heartbeat_s)
 
     async def _beat(self, client: aioredis.Redis) -> None:
         mine = {url: w.in_flight for url, w in self.registry.workers.items() if w.in_flight > 0}
         routers, load = await heartbeat(client, self.id, self.info, mine, self.ttl_ms)
         self.routers = routers
+        self.streams.follow_routers(routers)
         if self.shared_load is not None:  # load as published when it changed (``loads``)
             self.shared_load.keep({rid.encode() for rid in routers})
             for rid, theirs in load.items():
@@ -273,6 +281,17 @@ class StateStore(Applier):
         for theirs in load.values():
             for url, n in theirs.items():
                 self.peer_load[url] = self.peer_load.get(url, 0) + n
+
+
+def cancelled_meanwhile() -> None:
+    """Raise CancelledError if this task was cancelled while a redis-py command ran.
+    redis-py can swallow a cancellation that lands while it reads a reply (seen with a
+    blocked ``XREAD``, redis-py 8.1): a loop going on would never end, and neither would
+    a session whose other task failed, nor ``stop``. (Only in the session's tasks: the
+    task running a ``TaskGroup`` is cancelled by it when a child fails.)"""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 def _describe(e: BaseException) -> str:

@@ -2,18 +2,23 @@
 
 Keys (all under ``kvroute:``; one fleet per Redis database, chosen by the URL's ``/db``):
 
+``kvroute:stream:<id>``
+    One Redis Stream per router, where it writes its decisions and load changes (why one
+    per router: ``streams``), trimmed to about ``--state-store-stream-len`` entries
+    (``XADD ... MAXLEN ~``) and expiring an hour after the router's last heartbeat.
+    Fields: ``r`` the publishing router's id, ``k`` the kind, ``t`` the publisher's
+    clock in ms (lag metric). Kind ``i``: up to ``PER_ENTRY`` routing decisions packed
+    in ``b`` (``pack_inserts``: per decision the worker URL and the prompt's block
+    digests as little-endian u64s), one entry for many decisions because each Redis
+    command costs the publisher and every reader tens of µs of Python. Field ``p``
+    (with kind ``i``, or alone with kind ``p``): the publisher's load per worker that
+    changed since its last entry (``loads.pack``: requests in flight, those waiting for
+    a first byte, their uncached tokens).
 ``kvroute:stream``
-    A Redis Stream, trimmed to about ``--state-store-stream-len`` entries
-    (``XADD ... MAXLEN ~``). Fields: ``r`` the publishing router's id, ``k`` the kind,
-    ``t`` the publisher's clock in ms (lag metric). Kind ``i``: up to ``PER_ENTRY``
-    routing decisions packed in ``b`` (``pack_inserts``: per decision the worker URL and
-    the prompt's block digests as little-endian u64s), one entry for many decisions
-    because each Redis command costs the publisher and every reader tens of µs of
-    Python. Field ``p`` (with kind ``i``, or alone with kind ``p``): the publisher's
-    load per worker that changed since its last entry (``loads.pack``: requests in
-    flight, those waiting for a first byte, their uncached tokens). Kinds ``a`` / ``d``:
-    worker ``w`` added / removed; ``c``: the workers' caches
-    were flushed (``POST /flush_cache``), every router clears its index.
+    The shared stream, same fields, trimmed the same way. Kinds ``a`` / ``d``: worker
+    ``w`` added / removed; ``c``: the workers' caches were flushed
+    (``POST /flush_cache``), every router clears its index; ``h``: router ``r``
+    connected, the others start reading its stream.
 ``kvroute:workers``
     A hash, worker URL -> ``1``: the fleet as the admin API last left it.
 ``kvroute:router:<id>``
@@ -24,6 +29,7 @@ Keys (all under ``kvroute:``; one fleet per Redis database, chosen by the URL's 
 
 from __future__ import annotations
 
+import functools
 import struct
 import time
 from collections.abc import Iterator, Sequence
@@ -34,11 +40,19 @@ __all__ = ["StoreURL"]
 
 PREFIX = "kvroute:"
 STREAM = PREFIX + "stream"
+STREAM_B = STREAM.encode()
+
+
+def stream_of(router: bytes) -> bytes:
+    """The stream a router writes its decisions and load to."""
+    return STREAM_B + b":" + router
+
+
 WORKERS = PREFIX + "workers"
 ROUTER = PREFIX + "router:"
 LOAD_FIELD = "l:"
 
-INSERT, ADDED, REMOVED, CLEARED, LOAD = b"i", b"a", b"d", b"c", b"p"
+INSERT, ADDED, REMOVED, CLEARED, LOAD, HELLO = b"i", b"a", b"d", b"c", b"p", b"h"
 
 
 def now_ms() -> int:
@@ -85,6 +99,32 @@ def insert_entry(
     if load:
         entry[b"p"] = load
     return entry
+
+
+def xadd(key: bytes, entry: dict[bytes, bytes], stream_len: int) -> bytes:
+    """``XADD`` of ``entry`` to stream ``key`` trimmed to about ``stream_len`` entries,
+    as the bytes of one Redis command (RESP: an array of bulk strings). It runs for
+    every write, so the command's head and the field names are encoded once (half the
+    time of encoding every argument)."""
+    parts = [_head(key, stream_len, len(entry))]
+    for field, value in entry.items():
+        parts += (_bulk(field), b"$%d\r\n" % len(value), value, b"\r\n")
+    return b"".join(parts)
+
+
+@functools.cache
+def _head(key: bytes, stream_len: int, fields: int) -> bytes:
+    args = (b"XADD", key, b"MAXLEN", b"~", b"%d" % stream_len, b"*")
+    return b"*%d\r\n" % (len(args) + 2 * fields) + b"".join(map(_bulk, args))
+
+
+@functools.cache
+def _bulk(arg: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(arg), arg)
+
+
+def hello_entry(router: bytes) -> dict[bytes, bytes]:
+    return {b"r": router, b"k": HELLO, b"t": b"%d" % now_ms()}
 
 
 def member_entry(router: bytes, kind: bytes, worker: str) -> dict[bytes, bytes]:

@@ -398,11 +398,14 @@ class LoadModel:
 
     def queued_per_worker(self, workers: Iterable[str]) -> float:
         """Mean number of requests waiting for their first byte per worker of ``workers``
-        (a proxy for how many requests will queue behind new work)."""
+        (a proxy for how many requests will queue behind new work): ours, and the
+        other routers' when the store shares them (with only ours, each of N replicas
+        would see about 1/N of the queue and move requests off their cache too often)."""
+        peers = self.peer_pending or {}
         n = total = 0
         for w in workers:
             st = self.workers.get(w)
-            total += len(st.pending) if st is not None else 0
+            total += (len(st.pending) if st is not None else 0) + peers.get(w, 0)
             n += 1
         return total / n if n else 0.0
 

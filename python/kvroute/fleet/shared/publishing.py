@@ -1,0 +1,126 @@
+"""Writing this router's decisions and load changes to its stream (``StateStore``'s
+publishing half, kept apart from the connection handling in ``store``).
+
+Nothing on the request path waits for Redis: a decision or a load change is queued
+(``publish_insert``, ``loads.SharedLoad.changed``) and, once the current event-loop turn
+is over (``call_soon``), everything queued in the turn goes out as ``XADD``s in one
+socket write (``_write``: a decision and its reservation ride in one entry) on a
+connection of its own that has told Redis not to reply (``unanswered``: ``CLIENT REPLY
+OFF``). Why: with requests arriving one at a time, each costs about three writes (its
+decision and reservation, its first byte, its end), and waking a task, awaiting,
+reading and parsing a reply per write was most of a write's client CPU
+(``bench/shared_state_overhead.py``). The price: Redis's errors on those writes are not
+seen; a lost connection is (``_watch``, and the other tasks' commands fail). The
+publishing task (``_publish_loop``) writes membership changes (kept until Redis has
+them) and, while Redis is slow to read (over ``WRITE_BUFFER`` bytes unsent), takes over
+the writes and waits for Redis; the request path's buffer stays bounded meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from typing import TYPE_CHECKING
+
+import redis.asyncio as aioredis
+from redis.asyncio.connection import Connection
+
+import kvroute.fleet.shared.wire as wire
+
+if TYPE_CHECKING:
+    from kvroute.fleet.shared.applying import StoreCounters
+    from kvroute.fleet.shared.loads import SharedLoad
+    from kvroute.fleet.shared.members import Membership
+    from kvroute.fleet.shared.streams import Streams
+
+WRITE_BUFFER = 1 << 20  # bytes not yet taken by Redis beyond which the request path stops writing
+
+
+class Publisher:
+    """The publishing methods; ``StateStore`` sets these attributes."""
+
+    _rid: bytes
+    _buf: deque[tuple[str, bytes]]
+    _soon: bool
+    _writer: asyncio.StreamWriter | None
+    _wake: asyncio.Event
+    stream_len: int
+    streams: Streams
+    members: Membership
+    shared_load: SharedLoad | None
+    counters: StoreCounters
+
+    def _queued(self) -> None:
+        """Something was queued: write it once this event-loop turn is over, so that
+        every change made in the turn (a decision and its reservation, a burst of
+        requests) rides in one write."""
+        if self._writer is not None and not self._soon:
+            self._soon = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._soon = False
+        writer = self._writer
+        if writer is None:
+            return  # disconnected since: the session's next start publishes it
+        if self.members.pending or writer.transport.get_write_buffer_size() > WRITE_BUFFER:
+            self._wake.set()  # membership first, or Redis is slow: the task waits for it
+            return
+        self._write(writer)
+
+    async def _publish_loop(self, client: aioredis.Redis, writer: asyncio.StreamWriter) -> None:
+        """Membership changes (awaited: kept until Redis has them), and what the
+        request path queued while Redis was slow or a membership change was pending."""
+        while True:
+            self._wake.clear()
+            await self.members.flush(client, self._rid, self.stream_len)
+            if (task := asyncio.current_task()) is not None and task.cancelling():
+                raise asyncio.CancelledError  # swallowed by redis-py: ``store.cancelled_meanwhile``
+            await writer.drain()  # Redis slow to read: wait here, the buffer stays bounded
+            self._write(writer)
+            if not self.members.pending and writer.transport.get_write_buffer_size() == 0:
+                await self._wake.wait()
+
+    def _write(self, writer: asyncio.StreamWriter) -> None:
+        """Everything queued, as ``XADD``s in one write; no reply comes back."""
+        shared = self.shared_load
+        queued = shared.take() if shared is not None and shared.dirty else b""
+        n = len(self._buf)
+        if not n and not queued:
+            return
+        batch = [self._buf.popleft() for _ in range(n)]
+        commands = []
+        for i in range(0, max(n, 1), wire.PER_ENTRY):
+            entry = wire.insert_entry(self._rid, batch[i : i + wire.PER_ENTRY], queued)
+            queued = b""  # rides with the first entry
+            commands.append(wire.xadd(self.streams.own, entry, self.stream_len))
+        writer.write(b"".join(commands))
+        self.counters.published += n
+
+    async def _watch(self, pub: Connection) -> None:
+        """Ends the session when Redis closes the publishing connection (it sends
+        nothing else on it): what is written meanwhile is lost, as with any
+        fire-and-forget write to a dead peer."""
+        reader = pub._reader
+        assert reader is not None
+        got = await reader.read(64)  # EOF, or a reply: only an error would come
+        if got:  # e.g. an ACL that refuses CLIENT REPLY: publishing cannot work this way
+            raise ConnectionError(f"Redis answered on the publishing connection: {got!r}")
+        raise ConnectionError("the publishing connection closed")
+
+
+async def unanswered(client: aioredis.Redis) -> Connection:
+    """A connection of its own for publishing, on which Redis sends no replies (same
+    address, credentials, TLS and database as ``client``'s). The store writes to its
+    stream writer directly (redis-py's ``_writer``: a write is then one
+    ``transport.write``, no coroutine, no reply to read and parse)."""
+    pub: Connection = client.connection_pool.make_connection()  # type: ignore[no-untyped-call]
+    try:
+        await pub.connect()  # type: ignore[no-untyped-call]
+        await pub.send_command("CLIENT", "REPLY", "OFF")  # no reply to this one either
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await pub.disconnect()
+        raise
+    return pub

@@ -1,0 +1,84 @@
+"""Which streams a router reads, and from where (``StateStore``'s reading half).
+
+Each router writes its decisions and load changes to a stream of its own,
+``kvroute:stream:<id>``, and reads the others' (plus the shared ``kvroute:stream``, where
+membership changes, cache flushes and routers' greetings go) with one ``XREAD BLOCK``
+over all of them. Why not one stream for everything: every reader wakes for every entry,
+its own included, and with requests arriving one at a time reading back its own three
+entries per request (decision, first byte, end) cost a router more CPU than writing
+them (``bench/shared_state_overhead.py``). A router's own stream is never in its read
+set, so it reads only what others wrote.
+
+Which peers: at each (re)connection every ``kvroute:stream:*`` found (``SCAN``), so a
+new router replays the decisions of every router that wrote recently, live or not; then
+each router another one greets (kind ``h`` on the shared stream, written when it
+connects, so the others follow it at once) or that a heartbeat shows live. A stream whose
+router is no longer live is dropped from the read set once read to its end; its last id
+is remembered, so a router that comes back is read on from there, never twice. Each
+router's stream expires ``STREAM_TTL_MS`` after its last heartbeat.
+
+After a reconnection (``check``): a stream whose newest entry is older than the last
+one read was recreated (Redis restarted empty) and is read from its start; one whose
+oldest entry is newer than the last one read was trimmed past it (this router fell more
+than ``--state-store-stream-len`` entries behind): counted as a gap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import redis.asyncio as aioredis
+
+import kvroute.fleet.shared.wire as wire
+
+STREAM_TTL_MS = 3_600_000  # a router's stream outlives it by an hour: replayed by new routers
+
+
+class Streams:
+    def __init__(self, own: bytes) -> None:
+        self.own = own
+        self.last: dict[bytes, bytes] = {wire.STREAM_B: b"0"}  # every stream seen -> last id
+        self.reading: set[bytes] = {wire.STREAM_B}
+
+    def follow(self, key: bytes) -> None:
+        """Read ``key`` (from where it was left, or its start)."""
+        if key != self.own:
+            self.last.setdefault(key, b"0")
+            self.reading.add(key)
+
+    def follow_routers(self, ids: Iterable[str | bytes]) -> None:
+        for rid in ids:
+            self.follow(wire.stream_of(rid if isinstance(rid, bytes) else rid.encode()))
+
+    def read_args(self) -> dict[bytes, bytes]:
+        return {key: self.last[key] for key in self.reading}
+
+    def done_reading(self, asked: Iterable[bytes], full: set[bytes], live: set[bytes]) -> None:
+        """After an ``XREAD`` of ``asked``: drop the streams of routers not ``live`` (by
+        stream key) that are read to their end (not in ``full``: no batch came back
+        whole). With ``live`` empty (no heartbeat read yet) nothing is dropped."""
+        if not live:
+            return
+        for key in asked:
+            if key != wire.STREAM_B and key not in live and key not in full:
+                self.reading.discard(key)
+
+    async def discover(self, client: aioredis.Redis) -> None:
+        async for key in client.scan_iter(match=wire.STREAM + ":*", count=100):
+            self.follow(key)
+
+    async def check(self, client: aioredis.Redis) -> int:
+        """After reconnecting: restart recreated streams, count gaps (module doc)."""
+        gaps = 0
+        for key, last_id in list(self.last.items()):
+            if last_id == b"0" or key not in self.reading:
+                continue
+            latest: Any = await client.xrevrange(key, count=1)
+            first: Any = await client.xrange(key, count=1)
+            last = wire.parse_id(last_id)
+            if not latest or wire.parse_id(latest[0][0]) < last:
+                self.last[key] = b"0"  # a new stream: read it from the start
+            elif first and wire.parse_id(first[0][0]) > last:
+                gaps += 1
+        return gaps

@@ -1,0 +1,130 @@
+"""How a router publishes to the shared store, against a real ``redis-server``: the
+writes go out on a connection Redis does not answer (``CLIENT REPLY OFF``), every
+change made in one event-loop turn rides in one entry of the router's own stream,
+changes made in separate turns each go out at once (nothing waits for a later one),
+and the router does not read its own entries back."""
+
+from __future__ import annotations
+
+import array
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from kvroute.config import Settings, StoreURL
+from kvroute.fleet.registry import Registry
+from kvroute.fleet.shared import DigestIndex, StateStore, wire
+from kvroute.routing.load import LoadModel
+from support import REDIS_SERVER, RedisServer
+
+pytestmark = pytest.mark.skipif(
+    REDIS_SERVER is None, reason="redis-server is not installed (apt-get install redis-server)"
+)
+
+W = "http://127.0.0.1:1"
+
+
+def prompt(seed: int, n: int = 64) -> array.array[int]:
+    rng = np.random.default_rng(seed)
+    return array.array("I", rng.integers(0, 150_000, n).astype(np.uint32).tobytes())
+
+
+def entries(c: redis.Redis, store: StateStore) -> list[dict[bytes, bytes]]:
+    """What ``store`` published to its own stream."""
+    return [f for _, f in c.xrange(store.streams.own) if f[b"k"] in (wire.INSERT, wire.LOAD)]
+
+
+async def until(cond: object, within: float) -> bool:
+    """Poll ``cond`` (a callable) until true, ``within`` seconds at most, letting the
+    event loop (the store's tasks) run in between."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while loop.time() < deadline:
+        if cond():  # type: ignore[operator]
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+def commands(c: redis.Redis, name: str) -> int:
+    return int(c.info("commandstats").get(f"cmdstat_{name}", {}).get("calls", 0))
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> object:
+    server = RedisServer(tmp_path)
+    yield server
+    server.stop()
+
+
+async def test_changes_of_one_loop_turn_ride_in_one_unanswered_write(
+    redis_server: RedisServer,
+) -> None:
+    registry = Registry(Settings(worker_urls=[W]).validate())
+    registry.add(W)
+    index, model = DigestIndex(), LoadModel()
+    model.add_worker(W)
+    store = StateStore(
+        StoreURL(redis_server.url),
+        registry,
+        index,
+        router_url="http://r:1",
+        version="t",
+        work=model,
+    )
+    await store.start()
+    c = redis_server.client()
+    try:
+        assert await until(lambda: store.connected, within=10)
+        await asyncio.sleep(1.2)  # start-up load published; two heartbeats, read set settled
+        before = len(entries(c, store))
+        assert commands(c, "client|reply") == 1  # the publishing connection asked for no replies
+
+        # One turn: three decisions and their reservations -> one entry.
+        tickets = []
+        for s in range(3):
+            index.insert(W, prompt(s))
+            tickets.append(model.reserve(W, 64, 10, 0.0))
+        assert await until(lambda: len(entries(c, store)) == before + 1, within=5)
+        one = entries(c, store)[-1]
+        assert one[b"k"] == wire.INSERT and len(list(wire.unpack_inserts(one[b"b"]))) == 3
+        assert b"p" in one  # the load change rides with the decisions
+
+        # Separate turns: each first byte goes out by itself, without waiting for more,
+        # and the store's blocked XREAD does not wake for them (not its stream).
+        xreads = commands(c, "xread")
+        for n, t in enumerate(tickets, 1):
+            t.first_byte(0.1)
+            assert await until(lambda n=n: len(entries(c, store)) == before + 1 + n, within=5)
+        assert all(f[b"k"] == wire.LOAD for f in entries(c, store)[-3:])
+        assert store.counters.published == 3
+        assert commands(c, "xread") - xreads <= 1  # a 500 ms block may end meanwhile
+    finally:
+        c.close()
+        await store.stop()
+
+
+async def test_a_redis_that_refuses_client_reply_is_reported_and_routing_stays_local(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    c = redis_server.client()
+    c.execute_command("ACL", "SETUSER", "kv", "on", ">pw", "~*", "&*", "+@all", "-client")
+    c.close()
+    registry = Registry(Settings(worker_urls=[W]).validate())
+    registry.add(W)
+    index = DigestIndex()
+    url = f"redis://kv:pw@127.0.0.1:{redis_server.port}/0"
+    store = StateStore(StoreURL(url), registry, index, router_url="http://r:1", version="t")
+    await store.start()
+    try:
+        assert await until(lambda: store.counters.errors >= 2, within=10)
+        index.insert(W, prompt(1))  # routing goes on, on local state
+        assert index.match(prompt(1)) == {W: 64}
+        assert "answered on the publishing connection" in caplog.text
+        assert "NOPERM" in caplog.text or "no permissions" in caplog.text
+        assert "pw@" not in caplog.text
+    finally:
+        await store.stop()
