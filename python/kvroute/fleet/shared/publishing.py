@@ -14,17 +14,24 @@ seen; a lost connection is (``_watch``, and the other tasks' commands fail). The
 publishing task (``_publish_loop``) writes membership changes (kept until Redis has
 them) and, while Redis is slow to read (over ``WRITE_BUFFER`` bytes unsent), takes over
 the writes and waits for Redis; the request path's buffer stays bounded meanwhile.
+
+A Redis that refuses ``CLIENT REPLY OFF`` (an ACL without the ``CLIENT`` command, as on
+some managed services) answers every write instead: publishing goes on the same way and
+``_watch`` reads the replies and drops them (a task wake per write: more CPU per request,
+logged once, ``answered``), counting any write Redis refused.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import deque
 from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 from redis.asyncio.connection import Connection
+from redis.exceptions import ResponseError
 
 import kvroute.fleet.shared.wire as wire
 
@@ -33,6 +40,8 @@ if TYPE_CHECKING:
     from kvroute.fleet.shared.loads import SharedLoad
     from kvroute.fleet.shared.members import Membership
     from kvroute.fleet.shared.streams import Streams
+
+log = logging.getLogger("kvroute.fleet.shared")
 
 WRITE_BUFFER = 1 << 20  # bytes not yet taken by Redis beyond which the request path stops writing
 
@@ -45,6 +54,7 @@ class Publisher:
     _soon: bool
     _writer: asyncio.StreamWriter | None
     _wake: asyncio.Event
+    answered: bool  # Redis refused CLIENT REPLY OFF: the writes' replies are read (_watch)
     stream_len: int
     streams: Streams
     members: Membership
@@ -99,15 +109,33 @@ class Publisher:
         self.counters.published += n
 
     async def _watch(self, pub: Connection) -> None:
-        """Ends the session when Redis closes the publishing connection (it sends
-        nothing else on it): what is written meanwhile is lost, as with any
-        fire-and-forget write to a dead peer."""
-        reader = pub._reader
-        assert reader is not None
-        got = await reader.read(64)  # EOF, or a reply: only an error would come
-        if got:  # e.g. an ACL that refuses CLIENT REPLY: publishing cannot work this way
-            raise ConnectionError(f"Redis answered on the publishing connection: {got!r}")
-        raise ConnectionError("the publishing connection closed")
+        """Reads what Redis sends on the publishing connection, and ends the session
+        when Redis closes it (what is written meanwhile is lost, as with any
+        fire-and-forget write to a dead peer). Normally nothing comes: Redis was told
+        not to reply. If it refused that (the first reply is an error to ``CLIENT
+        REPLY OFF``), every write's reply follows: read and dropped here, and a write
+        Redis refused (an error reply) is counted as dropped."""
+        first, refused = True, 0
+        while True:
+            try:
+                await pub.read_response(disable_decoding=True)
+            except ResponseError as e:
+                if first:  # the answer to CLIENT REPLY OFF, the connection's first command
+                    first = False
+                    if not self.answered:
+                        log.warning(
+                            "state store refused CLIENT REPLY OFF (%s); publishing with "
+                            "replies (more CPU per request): allow the CLIENT command",
+                            e,
+                        )
+                    self.answered = True
+                    continue
+                self.counters.dropped += 1
+                refused += 1
+                if refused == 1:  # once a session: Redis refusing writes (ACL, OOM)
+                    log.warning("state store refused a write: %s", e)
+                continue
+            first = False
 
 
 async def unanswered(client: aioredis.Redis) -> Connection:
@@ -116,6 +144,7 @@ async def unanswered(client: aioredis.Redis) -> Connection:
     stream writer directly (redis-py's ``_writer``: a write is then one
     ``transport.write``, no coroutine, no reply to read and parse)."""
     pub: Connection = client.connection_pool.make_connection()  # type: ignore[no-untyped-call]
+    pub.socket_timeout = None  # ``_watch`` waits for a reply that normally never comes
     try:
         await pub.connect()  # type: ignore[no-untyped-call]
         await pub.send_command("CLIENT", "REPLY", "OFF")  # no reply to this one either

@@ -107,6 +107,7 @@ class StateStore(Publisher, Applier):
         # whether a write is already scheduled for the end of this event-loop turn.
         self._writer: asyncio.StreamWriter | None = None
         self._soon = False
+        self.answered = False
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self._client: aioredis.Redis | None = None
