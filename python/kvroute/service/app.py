@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -113,9 +114,15 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
             state.store.members.on_removed = release_worker
             state.store.members.on_added = probe
             await state.store.start()
+        # What start-up built (tokenizer tables, templates, the app: ~116k objects with
+        # the Qwen3 tokenizer) lives as long as the router; out of the collector's
+        # reach, a full collection walks only what requests made (67 ms -> <1 ms of
+        # event loop held, measured in process).
+        gc.freeze()
         try:
             yield
         finally:
+            gc.unfreeze()
             if state.store is not None:
                 await state.store.stop()
             if state.subscriber is not None:
