@@ -187,6 +187,18 @@ class Connection(asyncio.Protocol):
             self.transport.pause_reading()
         self._wake()
 
+    def take(self) -> bytes:
+        """The body bytes received so far (there are some), joined; reading resumes if
+        it was paused for them."""
+        chunks = self.chunks
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self.buffered = 0
+        if self.reading_paused and self.transport is not None:
+            self.reading_paused = False
+            self.transport.resume_reading()
+        return data
+
     def on_message_complete(self) -> None:
         if self.status < 200:
             return
@@ -275,14 +287,8 @@ class _Body(httpx.AsyncByteStream):
         conn = self.conn
         parts: list[bytes] = []
         while True:
-            chunks = conn.chunks
-            if chunks:
-                parts += chunks
-                chunks.clear()
-                conn.buffered = 0
-                if conn.reading_paused and conn.transport is not None:
-                    conn.reading_paused = False
-                    conn.transport.resume_reading()
+            if conn.chunks:
+                parts.append(conn.take())
                 continue
             if conn.complete:
                 break
@@ -296,13 +302,7 @@ class _Body(httpx.AsyncByteStream):
         conn = self.conn
         while True:
             if conn.chunks:
-                data = conn.chunks[0] if len(conn.chunks) == 1 else b"".join(conn.chunks)
-                conn.chunks.clear()
-                conn.buffered = 0
-                if conn.reading_paused and conn.transport is not None:
-                    conn.reading_paused = False
-                    conn.transport.resume_reading()
-                yield data
+                yield conn.take()
                 continue
             if conn.complete:
                 return
