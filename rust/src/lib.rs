@@ -13,3 +13,6 @@ mod python;
 
 pub use blocks::{BlockIndex, EventError};
 pub use tree::{IndexStats, PrefixIndex};
+
+// Exact byte-level BPE (tokenization for routing); kept apart from the index modules.
+pub mod bpe;

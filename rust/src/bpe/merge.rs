@@ -1,0 +1,182 @@
+//! Byte-level BPE merges, as `tokenizers`' BPE model applies them.
+//!
+//! A piece's bytes start as one symbol each (the vocabulary's byte tokens). Every
+//! adjacent pair that is in the merge list goes into a min-heap ordered by (merge rank,
+//! position of the left symbol); the top entry is merged unless it is stale (its left
+//! symbol was merged away, has no right neighbour any more, or the pair now there does
+//! not merge into the entry's token), and the new pairs on either side of the merged
+//! symbol are pushed. This is `tokenizers`' own procedure, stale-entry test included, so
+//! the IDs are the same by construction (not only the lowest-rank-first result tiktoken
+//! computes from token ranks, which can differ where a token is not reachable by merges).
+//!
+//! Fast path: a piece whose bytes are a token that the merges turn into that single token
+//! (checked for every token when the model is built) is that token, found with one hash
+//! lookup. With `ignore_merges` (Llama 3), `tokenizers` itself takes any piece that is a
+//! token as that token, and so does the fast path.
+
+use rustc_hash::FxHashMap;
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+/// A vocabulary and its merges.
+pub struct Model {
+    byte_ids: [u32; 256],
+    /// (left, right) -> (rank, merged token).
+    merges: FxHashMap<(u32, u32), (u32, u32)>,
+    /// Pieces that encode as one token.
+    whole: FxHashMap<Box<[u8]>, u32>,
+}
+
+/// A symbol of a piece being merged: a linked list over the initial byte positions.
+#[derive(Clone, Copy)]
+struct Symbol {
+    id: u32,
+    prev: u32,
+    next: u32,
+    alive: bool,
+}
+
+const NONE: u32 = u32::MAX;
+
+/// Buffers reused across the pieces of one text.
+#[derive(Default)]
+pub struct Scratch {
+    symbols: Vec<Symbol>,
+    heap: BinaryHeap<Reverse<(u32, u32, u32)>>,
+}
+
+impl Model {
+    /// `vocab`: each token's bytes and ID (special tokens left out); `merges`: the merge
+    /// list in order, as the two tokens' bytes. A pair listed twice keeps its later rank,
+    /// as in `tokenizers`.
+    pub fn new(
+        vocab: Vec<(Vec<u8>, u32)>,
+        merges: &[(Vec<u8>, Vec<u8>)],
+        ignore_merges: bool,
+    ) -> Result<Model, String> {
+        let mut ids: FxHashMap<Box<[u8]>, u32> = FxHashMap::default();
+        ids.reserve(vocab.len());
+        for (bytes, id) in vocab {
+            if ids.insert(bytes.into_boxed_slice(), id).is_some() {
+                return Err("the vocabulary lists a token twice".into());
+            }
+        }
+        let mut byte_ids = [0u32; 256];
+        for (b, slot) in byte_ids.iter_mut().enumerate() {
+            *slot = *ids
+                .get(&[b as u8][..])
+                .ok_or_else(|| format!("no token for the byte {b:#04x}"))?;
+        }
+        let mut merge_map = FxHashMap::default();
+        merge_map.reserve(merges.len());
+        let mut joined = Vec::new();
+        for (rank, (left, right)) in merges.iter().enumerate() {
+            let id = |t: &[u8]| {
+                ids.get(t)
+                    .copied()
+                    .ok_or_else(|| format!("merge {rank} names a token not in the vocabulary"))
+            };
+            joined.clear();
+            joined.extend_from_slice(left);
+            joined.extend_from_slice(right);
+            let pair = (id(left)?, id(right)?);
+            merge_map.insert(pair, (rank as u32, id(&joined)?));
+        }
+        let mut model = Model {
+            byte_ids,
+            merges: merge_map,
+            whole: FxHashMap::default(),
+        };
+        let mut scratch = Scratch::default();
+        let mut out = Vec::new();
+        let mut whole = FxHashMap::default();
+        whole.reserve(ids.len());
+        for (bytes, id) in ids {
+            if bytes.len() < 2 {
+                continue;
+            }
+            if !ignore_merges {
+                out.clear();
+                model.merge(&bytes, &mut out, &mut scratch);
+                if out != [id] {
+                    continue; // this token is not what its own bytes merge into
+                }
+            }
+            whole.insert(bytes, id);
+        }
+        model.whole = whole;
+        Ok(model)
+    }
+
+    /// Appends the IDs of one pre-tokenizer piece to `out`.
+    #[inline]
+    pub fn encode_piece(&self, piece: &[u8], out: &mut Vec<u32>, scratch: &mut Scratch) {
+        match piece {
+            [] => {}
+            [b] => out.push(self.byte_ids[*b as usize]),
+            _ => match self.whole.get(piece) {
+                Some(&id) => out.push(id),
+                None => self.merge(piece, out, scratch),
+            },
+        }
+    }
+
+    /// The merge procedure of the module docs.
+    fn merge(&self, piece: &[u8], out: &mut Vec<u32>, scratch: &mut Scratch) {
+        let Scratch { symbols, heap } = scratch;
+        symbols.clear();
+        heap.clear();
+        let n = piece.len() as u32;
+        symbols.extend(piece.iter().enumerate().map(|(i, &b)| Symbol {
+            id: self.byte_ids[b as usize],
+            prev: if i == 0 { NONE } else { i as u32 - 1 },
+            next: if i as u32 + 1 == n {
+                NONE
+            } else {
+                i as u32 + 1
+            },
+            alive: true,
+        }));
+        for i in 0..symbols.len() - 1 {
+            if let Some(&(rank, id)) = self.merges.get(&(symbols[i].id, symbols[i + 1].id)) {
+                heap.push(Reverse((rank, i as u32, id)));
+            }
+        }
+        while let Some(Reverse((_, at, id))) = heap.pop() {
+            let left = symbols[at as usize];
+            if !left.alive || left.next == NONE {
+                continue;
+            }
+            let right = symbols[left.next as usize];
+            match self.merges.get(&(left.id, right.id)) {
+                Some(&(_, merged)) if merged == id => {}
+                _ => continue, // stale
+            }
+            symbols[at as usize].id = id;
+            symbols[at as usize].next = right.next;
+            symbols[left.next as usize].alive = false;
+            if right.next != NONE {
+                symbols[right.next as usize].prev = at;
+            }
+            if left.prev != NONE {
+                let prev = symbols[left.prev as usize];
+                if let Some(&(rank, new)) = self.merges.get(&(prev.id, id)) {
+                    heap.push(Reverse((rank, left.prev, new)));
+                }
+            }
+            if right.next != NONE {
+                let next = symbols[right.next as usize];
+                if let Some(&(rank, new)) = self.merges.get(&(id, next.id)) {
+                    heap.push(Reverse((rank, at, new)));
+                }
+            }
+        }
+        out.extend(symbols.iter().filter(|s| s.alive).map(|s| s.id));
+    }
+
+    /// How many tokens the fast path knows (every token but those the merges do not
+    /// reach, with `ignore_merges` all of them).
+    pub fn whole_tokens(&self) -> usize {
+        self.whole.len()
+    }
+}
