@@ -472,13 +472,10 @@ fn add_bpe(m: &Bound<'_, PyModule>) -> PyResult<()> {
 fn u32_array<'py>(py: Python<'py>, ids: &[u32]) -> PyResult<Bound<'py, PyAny>> {
     static ARRAY: PyOnceLock<Py<PyType>> = PyOnceLock::new();
     let array = ARRAY.import(py, "array", "array")?;
-    let bytes = PyBytes::new_with(py, ids.len() * 4, |buf| {
-        for (chunk, id) in buf.chunks_exact_mut(4).zip(ids) {
-            chunk.copy_from_slice(&id.to_ne_bytes());
-        }
-        Ok(())
-    })?;
-    array.call1(("I", bytes))
+    // SAFETY: any initialized u32 memory is valid as bytes, u8 has alignment 1, and the
+    // view covers exactly the slice's memory while `ids` is borrowed.
+    let raw = unsafe { std::slice::from_raw_parts(ids.as_ptr().cast::<u8>(), ids.len() * 4) };
+    array.call1(("I", PyBytes::new(py, raw)))
 }
 
 /// Exact byte-level BPE encoder (see kvroute/_native.pyi).

@@ -367,12 +367,11 @@ class FastBPE:
         if native is None:
             return array.array("I", self.encode_tiktoken(text))
         ids = native.encode(self.normalize(text))
-        if ids is None:  # a character it must not decide on: the original text goes on
-            return array.array("I", self._reference(text))
+        if ids is None:
+            # A refused character (the same set sends the text on to the reference
+            # encoder there), or a lone surrogate (tiktoken's replacement, as before).
+            return array.array("I", self.encode_tiktoken(text))
         return ids
-
-    def _reference(self, text: str) -> list[int]:
-        return self._fallback(text) if self._fallback is not None else self.encode_tiktoken(text)
 
     def encode(self, text: str) -> list[int]:
         """The token IDs of ``text`` (without special tokens)."""

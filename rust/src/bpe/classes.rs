@@ -39,6 +39,8 @@ const CODE_POINTS: usize = 0x11_0000;
 
 /// The flags of every code point.
 pub struct Table {
+    /// The flags of ASCII characters, the pre-tokenizer's common case.
+    pub ascii: [u8; 128],
     index: Vec<u16>,
     blocks: Vec<[u8; BLOCK]>,
 }
@@ -70,7 +72,13 @@ impl Table {
             });
             index.push(at);
         }
-        Table { index, blocks }
+        let mut ascii = [0u8; 128];
+        ascii.copy_from_slice(&flat[..128]);
+        Table {
+            ascii,
+            index,
+            blocks,
+        }
     }
 
     /// The table, built on first use (a few milliseconds).

@@ -23,8 +23,22 @@ pub struct Model {
     byte_ids: [u32; 256],
     /// (left, right) -> (rank, merged token).
     merges: FxHashMap<(u32, u32), (u32, u32)>,
-    /// Pieces that encode as one token.
+    /// Pieces that encode as one token: up to 7 bytes keyed by `short_key` (one integer
+    /// hash and compare), longer ones by their bytes.
+    short: FxHashMap<u64, u32>,
     whole: FxHashMap<Box<[u8]>, u32>,
+}
+
+/// A piece of at most 7 bytes as one integer: its bytes, and its length in the top byte.
+#[inline]
+fn short_key(piece: &[u8]) -> Option<u64> {
+    if piece.len() > 7 {
+        return None;
+    }
+    let mut key = [0u8; 8];
+    key[..piece.len()].copy_from_slice(piece);
+    key[7] = piece.len() as u8;
+    Some(u64::from_le_bytes(key))
 }
 
 /// A symbol of a piece being merged: a linked list over the initial byte positions.
@@ -85,12 +99,12 @@ impl Model {
         let mut model = Model {
             byte_ids,
             merges: merge_map,
+            short: FxHashMap::default(),
             whole: FxHashMap::default(),
         };
         let mut scratch = Scratch::default();
         let mut out = Vec::new();
-        let mut whole = FxHashMap::default();
-        whole.reserve(ids.len());
+        let (mut short, mut whole) = (FxHashMap::default(), FxHashMap::default());
         for (bytes, id) in ids {
             if bytes.len() < 2 {
                 continue;
@@ -102,8 +116,12 @@ impl Model {
                     continue; // this token is not what its own bytes merge into
                 }
             }
-            whole.insert(bytes, id);
+            match short_key(&bytes) {
+                Some(key) => short.insert(key, id),
+                None => whole.insert(bytes, id),
+            };
         }
+        model.short = short;
         model.whole = whole;
         Ok(model)
     }
@@ -114,10 +132,16 @@ impl Model {
         match piece {
             [] => {}
             [b] => out.push(self.byte_ids[*b as usize]),
-            _ => match self.whole.get(piece) {
-                Some(&id) => out.push(id),
-                None => self.merge(piece, out, scratch),
-            },
+            _ => {
+                let found = match short_key(piece) {
+                    Some(key) => self.short.get(&key),
+                    None => self.whole.get(piece),
+                };
+                match found {
+                    Some(&id) => out.push(id),
+                    None => self.merge(piece, out, scratch),
+                }
+            }
         }
     }
 
@@ -177,6 +201,6 @@ impl Model {
     /// How many tokens the fast path knows (every token but those the merges do not
     /// reach, with `ignore_merges` all of them).
     pub fn whole_tokens(&self) -> usize {
-        self.whole.len()
+        self.short.len() + self.whole.len()
     }
 }

@@ -133,13 +133,20 @@ struct Text<'a> {
 
 impl Text<'_> {
     /// The character at `i`: code point, class flags, length in bytes.
-    #[inline]
+    #[inline(always)]
     fn at(&self, i: usize) -> (u32, u8, usize) {
+        let x = self.b[i];
+        if x < 0x80 {
+            return (x as u32, self.t.ascii[x as usize], 1);
+        }
+        self.at_wide(i, x)
+    }
+
+    /// `at` for a character of two to four bytes, starting with `x`.
+    #[inline(never)]
+    fn at_wide(&self, i: usize, x: u8) -> (u32, u8, usize) {
         let b = self.b;
-        let x = b[i];
-        let (cp, len) = if x < 0x80 {
-            (x as u32, 1)
-        } else if x < 0xE0 {
+        let (cp, len) = if x < 0xE0 {
             (((x as u32 & 0x1F) << 6) | (b[i + 1] as u32 & 0x3F), 2)
         } else if x < 0xF0 {
             let c = ((x as u32 & 0x0F) << 12) | ((b[i + 1] as u32 & 0x3F) << 6);
