@@ -16,3 +16,5 @@ pub use tree::{IndexStats, PrefixIndex};
 
 // Exact byte-level BPE (tokenization for routing); kept apart from the index modules.
 pub mod bpe;
+#[cfg(feature = "python")]
+mod python_bpe;
