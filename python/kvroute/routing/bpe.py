@@ -456,7 +456,10 @@ def load(
         return fast, "tiktoken, identical on the load-time sample"
     from kvroute.routing import native_bpe
 
-    encoder, why = native_bpe.build(ranks, spec["model"], byte_decoder(), patterns, fast.refused())
+    # Its classes are the regex engine's own (tested over every code point), so only
+    # normalization needs texts sent on: with NFC, those ``refused`` lists.
+    refused = fast.refused() if nfc else None
+    encoder, why = native_bpe.build(ranks, spec["model"], byte_decoder(), patterns, refused)
     if encoder is not None:
         fast.native = encoder
         for text, ids in zip(SAMPLES, expected, strict=True):

@@ -9,6 +9,14 @@
 //! the IDs are the same by construction (not only the lowest-rank-first result tiktoken
 //! computes from token ranks, which can differ where a token is not reachable by merges).
 //!
+//! An entry the stale test lets through is never really stale: a symbol only grows by
+//! merging with its right neighbour (which consumes the entry's pair) and the pair's
+//! tokens spell the merged token's bytes from the same position, so the same new token
+//! means the same pair and rank. The procedure therefore always merges the adjacent pair
+//! of lowest merge rank, the leftmost on a tie; pieces of up to `SCAN_BYTES` bytes do
+//! exactly that with a scan over an array of the pairs' ranks (no heap, no links), the
+//! rest with the heap. A test compares the two on random merge lists.
+//!
 //! Fast path: a piece whose bytes are a token that the merges turn into that single token
 //! (checked for every token when the model is built) is that token, found with one hash
 //! lookup. With `ignore_merges` (Llama 3), `tokenizers` itself takes any piece that is a
@@ -21,8 +29,8 @@ use std::collections::BinaryHeap;
 /// A vocabulary and its merges.
 pub struct Model {
     byte_ids: [u32; 256],
-    /// (left, right) -> (rank, merged token).
-    merges: FxHashMap<(u32, u32), (u32, u32)>,
+    /// `pair(left, right)` -> (rank, merged token).
+    merges: FxHashMap<u64, (u32, u32)>,
     /// Pieces that encode as one token: up to 7 bytes keyed by `short_key` (one integer
     /// hash and compare), longer ones by their bytes.
     short: FxHashMap<u64, u32>,
@@ -52,11 +60,22 @@ struct Symbol {
 
 const NONE: u32 = u32::MAX;
 
+/// Pieces up to this long merge by scanning (module docs).
+const SCAN_BYTES: usize = 48;
+
+/// Two token IDs as one hash key.
+#[inline]
+fn pair(left: u32, right: u32) -> u64 {
+    (u64::from(left) << 32) | u64::from(right)
+}
+
 /// Buffers reused across the pieces of one text.
 #[derive(Default)]
 pub struct Scratch {
     symbols: Vec<Symbol>,
     heap: BinaryHeap<Reverse<(u32, u32, u32)>>,
+    ids: Vec<u32>,
+    ranks: Vec<(u32, u32)>,
 }
 
 impl Model {
@@ -93,8 +112,8 @@ impl Model {
             joined.clear();
             joined.extend_from_slice(left);
             joined.extend_from_slice(right);
-            let pair = (id(left)?, id(right)?);
-            merge_map.insert(pair, (rank as u32, id(&joined)?));
+            let key = pair(id(left)?, id(right)?);
+            merge_map.insert(key, (rank as u32, id(&joined)?));
         }
         let mut model = Model {
             byte_ids,
@@ -145,9 +164,57 @@ impl Model {
         }
     }
 
+    /// The rank and result of merging `left` and `right`, if the merge list has them.
+    #[inline]
+    fn rule(&self, left: u32, right: u32) -> Option<(u32, u32)> {
+        self.merges.get(&pair(left, right)).copied()
+    }
+
     /// The merge procedure of the module docs.
     fn merge(&self, piece: &[u8], out: &mut Vec<u32>, scratch: &mut Scratch) {
-        let Scratch { symbols, heap } = scratch;
+        if piece.len() <= SCAN_BYTES {
+            self.merge_scan(piece, out, scratch)
+        } else {
+            self.merge_heap(piece, out, scratch)
+        }
+    }
+
+    /// Lowest rank first, leftmost on a tie, by scanning the pairs' ranks.
+    fn merge_scan(&self, piece: &[u8], out: &mut Vec<u32>, scratch: &mut Scratch) {
+        let Scratch { ids, ranks, .. } = scratch;
+        ids.clear();
+        ids.extend(piece.iter().map(|&b| self.byte_ids[b as usize]));
+        ranks.clear();
+        ranks.extend(
+            ids.windows(2)
+                .map(|w| self.rule(w[0], w[1]).unwrap_or((NONE, 0))),
+        );
+        loop {
+            let (mut best, mut at) = (NONE, 0);
+            for (i, &(rank, _)) in ranks.iter().enumerate() {
+                if rank < best {
+                    (best, at) = (rank, i);
+                }
+            }
+            if best == NONE {
+                break;
+            }
+            ids[at] = ranks[at].1;
+            ids.remove(at + 1);
+            ranks.remove(at);
+            if at + 1 < ids.len() {
+                ranks[at] = self.rule(ids[at], ids[at + 1]).unwrap_or((NONE, 0));
+            }
+            if at > 0 {
+                ranks[at - 1] = self.rule(ids[at - 1], ids[at]).unwrap_or((NONE, 0));
+            }
+        }
+        out.extend_from_slice(ids);
+    }
+
+    /// `tokenizers`' heap procedure (module docs).
+    fn merge_heap(&self, piece: &[u8], out: &mut Vec<u32>, scratch: &mut Scratch) {
+        let Scratch { symbols, heap, .. } = scratch;
         symbols.clear();
         heap.clear();
         let n = piece.len() as u32;
@@ -162,7 +229,7 @@ impl Model {
             alive: true,
         }));
         for i in 0..symbols.len() - 1 {
-            if let Some(&(rank, id)) = self.merges.get(&(symbols[i].id, symbols[i + 1].id)) {
+            if let Some((rank, id)) = self.rule(symbols[i].id, symbols[i + 1].id) {
                 heap.push(Reverse((rank, i as u32, id)));
             }
         }
@@ -172,8 +239,8 @@ impl Model {
                 continue;
             }
             let right = symbols[left.next as usize];
-            match self.merges.get(&(left.id, right.id)) {
-                Some(&(_, merged)) if merged == id => {}
+            match self.rule(left.id, right.id) {
+                Some((_, merged)) if merged == id => {}
                 _ => continue, // stale
             }
             symbols[at as usize].id = id;
@@ -184,13 +251,13 @@ impl Model {
             }
             if left.prev != NONE {
                 let prev = symbols[left.prev as usize];
-                if let Some(&(rank, new)) = self.merges.get(&(prev.id, id)) {
+                if let Some((rank, new)) = self.rule(prev.id, id) {
                     heap.push(Reverse((rank, left.prev, new)));
                 }
             }
             if right.next != NONE {
                 let next = symbols[right.next as usize];
-                if let Some(&(rank, new)) = self.merges.get(&(id, next.id)) {
+                if let Some((rank, new)) = self.rule(id, next.id) {
                     heap.push(Reverse((rank, at, new)));
                 }
             }
@@ -202,5 +269,17 @@ impl Model {
     /// reach, with `ignore_merges` all of them).
     pub fn whole_tokens(&self) -> usize {
         self.short.len() + self.whole.len()
+    }
+}
+
+#[cfg(test)]
+impl Model {
+    /// Both merge procedures' results for `piece` (for the equivalence test).
+    pub(super) fn both(&self, piece: &[u8]) -> (Vec<u32>, Vec<u32>) {
+        let (mut scan, mut heap) = (Vec::new(), Vec::new());
+        let mut scratch = Scratch::default();
+        self.merge_scan(piece, &mut scan, &mut scratch);
+        self.merge_heap(piece, &mut heap, &mut scratch);
+        (scan, heap)
     }
 }

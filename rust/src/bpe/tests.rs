@@ -189,3 +189,36 @@ fn refused_characters_send_the_text_back() {
     assert_eq!(e.encode("é"), Some(vec![0xC3, 0xA9]));
     assert_eq!(e.encode("a \u{323B0}"), None);
 }
+
+#[test]
+fn the_scan_and_the_heap_merge_alike() {
+    use rand::rngs::SmallRng;
+    use rand::{Rng, SeedableRng};
+    let mut rng = SmallRng::seed_from_u64(7);
+    for _ in 0..40 {
+        // A random merge list over a 4-letter alphabet: each merge joins two existing
+        // tokens into a new one (some results reachable two ways, some pairs listed twice).
+        let mut tokens: Vec<Vec<u8>> = (b'a'..=b'd').map(|b| vec![b]).collect();
+        let mut merges = Vec::new();
+        for _ in 0..60 {
+            let left = tokens[rng.gen_range(0..tokens.len())].clone();
+            let right = tokens[rng.gen_range(0..tokens.len())].clone();
+            let joined = [left.clone(), right.clone()].concat();
+            if !tokens.contains(&joined) {
+                tokens.push(joined);
+            }
+            merges.push((left, right));
+        }
+        let mut vocab: Vec<(Vec<u8>, u32)> = (0..=255u8).map(|b| (vec![b], b as u32)).collect();
+        for t in tokens.iter().filter(|t| t.len() > 1) {
+            vocab.push((t.clone(), vocab.len() as u32));
+        }
+        let model = Model::new(vocab, &merges, false).unwrap();
+        for _ in 0..50 {
+            let len = rng.gen_range(2..80);
+            let piece: Vec<u8> = (0..len).map(|_| b'a' + rng.gen_range(0..4)).collect();
+            let (scan, heap) = model.both(&piece);
+            assert_eq!(scan, heap, "{:?}", String::from_utf8_lossy(&piece));
+        }
+    }
+}
