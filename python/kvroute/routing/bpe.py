@@ -94,7 +94,7 @@ SAMPLES = (
     "a" * 300 + " " + "ab" * 100 + "\n" * 40 + "-" * 80,
     "Ünïcödé ŁÓDŹ straße ﬁ ligature ½ ² ⁿ ℕ",
     # Case folding in contractions, format characters before letters, numbers in runs.
-    "it'\u017f THEY'LL 'twas '\u212a x\u200dy \u2066rtl\u2069 ١٢٣٤٥ ⅻ 12345678",
+    "it'\u017fs THEY'LL 'twas '\u212a x\u200dy \u2066rtl\u2069 ١٢٣٤٥ ⅻ 12345678",
     # Letters from Unicode 15, 15.1 and 16: the classes must be the engine's version's.
     "\U0001e030\U00011f04 \U00031350\U0002ebf0 \U00010d50a ok",
 )
