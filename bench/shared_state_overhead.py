@@ -84,16 +84,47 @@ class Unread(StateStore):
 KINDS.update(store=StateStore, unread=Unread)
 
 
-def load_before(path: str) -> None:
-    """``--before-store``: an earlier ``fleet/shared/store.py`` (e.g. ``git show
-    a7687a3:python/kvroute/fleet/shared/store.py``), run as mode ``before`` in the same
-    process against today's other modules, for a before/after in one run."""
+def load_before(spec: str) -> None:
+    """``--before-store``: an earlier store, run as mode ``before`` in the same process,
+    for a before/after in one run. Either ``git:REF``, the whole ``fleet/shared``
+    package at that commit (imported under another name, beside today's), or a path to
+    an earlier ``fleet/shared/store.py`` alone (e.g. ``git show
+    a7687a3:python/kvroute/fleet/shared/store.py``), run against today's other modules."""
+    import importlib
     import importlib.util
+    import subprocess
+    import tempfile
 
-    spec = importlib.util.spec_from_file_location("kvroute.fleet.shared._before", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    if spec.startswith("git:"):
+        ref, root = spec[4:], Path(__file__).resolve().parents[1]
+        folder = "python/kvroute/fleet/shared/"
+        names = subprocess.run(
+            ["git", "ls-tree", "--name-only", ref, folder],
+            cwd=root,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.split()
+        where = Path(tempfile.mkdtemp()) / "kvroute_shared_before"
+        where.mkdir()
+        for name in names:
+            text = subprocess.run(
+                ["git", "show", f"{ref}:{name}"],
+                cwd=root,
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+            where.joinpath(Path(name).name).write_text(
+                text.replace("kvroute.fleet.shared", "kvroute_shared_before")
+            )
+        sys.path.insert(0, str(where.parent))
+        KINDS["before"] = importlib.import_module("kvroute_shared_before.store").StateStore
+        return
+    loaded = importlib.util.spec_from_file_location("kvroute.fleet.shared._before", spec)
+    assert loaded is not None and loaded.loader is not None
+    module = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(module)
     KINDS["before"] = module.StateStore
 
 
@@ -254,7 +285,8 @@ def main() -> int:
     ap.add_argument(
         "--before-store",
         default="",
-        help="an earlier fleet/shared/store.py to measure in the same run (column 'before')",
+        help="an earlier store to measure in the same run (column 'before'): git:REF (the "
+        "fleet/shared package at REF) or the path of an earlier fleet/shared/store.py",
     )
     ap.add_argument("--skip-background", action="store_true", help="only the third table")
     args = ap.parse_args()
