@@ -207,6 +207,19 @@ def test_xadd_is_the_command_redis_py_would_send() -> None:
     for k, v in entry.items():
         args += [k, v]
     assert wire.xadd(key, entry, 7) == b"".join(Connection().pack_command(*args))
+    # The publisher's own encoder makes the same commands, whatever an entry carries.
+    commands = wire.Commands(key, b"abc", 2000)
+    decisions = [("http://w:1", b"\x01" * 16), ("http://w:2", b"\x03" * 8)]
+    for made, entry in (
+        (commands.inserts(wire.pack_inserts(decisions)), wire.insert_entry(b"abc", decisions)),
+        (
+            commands.inserts(wire.pack_inserts(decisions), b"\x02" * 30),
+            wire.insert_entry(b"abc", decisions, b"\x02" * 30),
+        ),
+        (commands.load(b"\x02" * 30), wire.insert_entry(b"abc", [], b"\x02" * 30)),
+    ):
+        entry[b"t"] = made.split(b"\r\n")[24]  # the clock, read where the encoder put it
+        assert made == wire.xadd(key, entry, 2000)
 
 
 def test_a_router_reads_the_others_streams_not_its_own_and_drops_the_dead_once_read() -> None:
