@@ -66,5 +66,25 @@ class TieBreaker:
             raise NoWorkerError("no healthy worker")
         best = min(scores.values())
         tie = tie_window(best)
-        tied = {w: loads.get(w, 0) for w, t in scores.items() if t - best <= tie}
-        return self.least_loaded(tied)
+        if not self.per_worker:
+            tied = {w: loads.get(w, 0) for w, t in scores.items() if t - best <= tie}
+            return self.least_loaded(tied)
+        # ``least_loaded`` over the tied workers in one pass (it runs at every decision,
+        # up to three times): the fewest in flight, then chosen longest ago, then first.
+        last = self._last
+        choice = ""
+        key = (0, 0)
+        n = 0
+        for w, t in scores.items():
+            if t - best <= tie:
+                k = (loads.get(w, 0), last.get(w, -1))
+                if not n or k < key:
+                    choice, key = w, k
+                n += 1
+        self._turn += 1
+        last[choice] = self._turn
+        if len(last) > 4096:  # workers that left long ago (as ``least_loaded`` prunes)
+            self._last = {
+                w: turn for w, turn in last.items() if w in scores and scores[w] - best <= tie
+            }
+        return choice

@@ -65,7 +65,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from kvroute._native import PrefixIndex
-from kvroute.routing.load import LoadModel
+from kvroute.routing.load import LoadModel, Predictions
 from kvroute.routing.policies._common import TieBreaker, tie_window
 from kvroute.routing.policies.base import Decision, NoWorkerError, Policy, Reason, RouteRequest
 
@@ -141,7 +141,7 @@ class CacheAware(Policy):
         if self.work is not None:
             matches = self.index.match(tokens) if n else {}
         if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
-            worker = self._least(loads, None, n, matches)
+            worker = self._least(loads, None, self._predict(loads, n, matches))
             return self._record(self._decision(worker, "imbalance", 0, matches), tokens)
         precise = self._precise_match(tokens, loads) if n else None
         if precise is not None:
@@ -160,22 +160,23 @@ class CacheAware(Policy):
             else:
                 matched = 0
         reason: Reason
+        pred = self._predict(loads, n, matches)
         if n and healthy and matched / n > self.cache_threshold:
-            worker = self._least(loads, healthy, n, matches)
+            worker = self._least(loads, healthy, pred)
             reason = "cache_hit"
-            alt = self._cheaper(worker, loads, n, matches)
+            alt = self._cheaper(worker, loads, pred)
             if alt is not None:
                 worker, reason, matched = alt, "overflow", 0
             elif self._full(worker, loads):
                 free = [w for w in loads if not self._full(w, loads)]
                 if free:
-                    alt = self._least(loads, free, n, matches)
-                    if self._sooner(alt, worker, n, matches):
+                    alt = self._least(loads, free, pred)
+                    if self._sooner(alt, worker, pred):
                         worker = alt
                         reason = "overflow"
                         matched = 0
         else:
-            worker = self._least(loads, None, n, matches)
+            worker = self._least(loads, None, pred)
             reason = "cache_miss"
             matched = 0 if worker not in healthy else matched
         decision = self._decision(worker, reason, matched, matches)
@@ -192,41 +193,44 @@ class CacheAware(Policy):
             d.cached_tokens = matches.get(worker, 0)
         return d
 
+    def _predict(
+        self, loads: Mapping[str, int], n: int, matches: dict[str, int] | None
+    ) -> Predictions | None:
+        """This request's predicted TTFT on every healthy worker, once per decision
+        (``work``; None on counts)."""
+        if self.work is None or matches is None:
+            return None
+        return self.work.predict(loads, n, matches)
+
     def _least(
-        self,
-        loads: Mapping[str, int],
-        among: Sequence[str] | None,
-        n: int,
-        matches: dict[str, int] | None,
+        self, loads: Mapping[str, int], among: Sequence[str] | None, pred: Predictions | None
     ) -> str:
         """Least loaded: by request count (``requests``) or by this request's predicted
         TTFT (``work``); exact ties rotate."""
-        work = self.work
-        if work is None or matches is None:
+        if pred is None:
             return self._ties.least_loaded(loads, among)
-        candidates = list(loads) if among is None else [w for w in among if w in loads]
-        ttft = {w: work.ttft(w, n - matches.get(w, 0), matches.get(w, 0)) for w in candidates}
-        return self._ties.least_by(ttft, loads)
+        if among is None:
+            return self._ties.least_by(pred.ttft, loads)
+        ttft = pred.ttft
+        return self._ties.least_by({w: ttft[w] for w in among if w in loads}, loads)
 
-    def _sooner(self, alt: str, holder: str, n: int, matches: dict[str, int] | None) -> bool:
+    def _sooner(self, alt: str, holder: str, pred: Predictions | None) -> bool:
         """Guard: does moving off the full ``holder`` to ``alt`` pay? (always, on counts)"""
-        work = self.work
-        if work is None or matches is None:
+        if pred is None:
             return True
-        m_alt, m_holder = matches.get(alt, 0), matches.get(holder, 0)
-        return work.ttft(alt, n - m_alt, m_alt) < work.ttft(holder, n - m_holder, m_holder)
+        return pred.ttft[alt] < pred.ttft[holder]
 
     def _cheaper(
-        self, holder: str, loads: Mapping[str, int], n: int, matches: dict[str, int] | None
+        self, holder: str, loads: Mapping[str, int], pred: Predictions | None
     ) -> str | None:
         """Work guard: the worker that costs less than the cache ``holder`` for this
         request (``LoadModel.cost``: its TTFT there plus the delay its prefill adds to
         the requests queued behind it), or None (always, on counts)."""
         work = self.work
-        if work is None or matches is None:
+        if work is None or pred is None:
             return None
         behind = work.queued_per_worker(loads)
-        cost = {w: work.cost(w, n, matches.get(w, 0), behind) for w in loads}
+        cost = {w: pred.cost(w, behind) for w in loads}
         alt = self._ties.least_by(cost, loads)
         if cost[holder] - cost[alt] <= tie_window(cost[alt]):
             return None
