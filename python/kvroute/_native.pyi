@@ -8,7 +8,7 @@ from typing_extensions import Buffer
 _Tokens: TypeAlias = Iterable[int] | Buffer
 """Token IDs: a list/tuple/iterable of ints in [0, 2**32), or a 1-D buffer of uint32
 (``array.array('I')``, ``numpy.ndarray`` of ``uint32``) which crosses without per-element
-conversion."""
+conversion; ``bytes``/``bytearray`` are one token per byte (widened in one native pass)."""
 
 @final
 class PrefixIndex:
@@ -52,6 +52,11 @@ class PrefixIndex:
 
     def match(self, tokens: _Tokens) -> dict[str, int]:
         """Matched prefix length per worker, for every worker holding at least one token."""
+
+    def lookup(self, tokens: _Tokens) -> tuple[dict[str, int], int, list[str]]:
+        """``(match(tokens), *longest_match(tokens))`` from one walk of the tree and one
+        crossing of the tokens: what a routing decision reads (the same answers, in the
+        same order, as the two calls)."""
 
     def longest_match(self, tokens: _Tokens) -> tuple[int, list[str]]:
         """The longest prefix of ``tokens`` any worker holds, and all workers holding it.

@@ -2,8 +2,10 @@
 //!
 //! Tokens arrive as any object exporting a 1-D buffer of u32 (`array.array('I')`, a NumPy
 //! `uint32` array): one memcpy, no per-element conversion. Any other iterable of ints is
-//! converted element by element with a range check. Conversion happens before the index
-//! is touched, so a bad argument never leaves the index half-changed.
+//! converted element by element with a range check, except `bytes` and `bytearray`: one
+//! token per byte (the no-tokenizer mode's UTF-8 prompt), widened here in one pass.
+//! Conversion happens before the index is touched, so a bad argument never leaves the
+//! index half-changed.
 
 use crate::blocks::{BlockIndex, EventError};
 use crate::tree::PrefixIndex;
@@ -22,16 +24,20 @@ fn extract_tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
              (tokenize the text first)",
         ));
     }
-    if !obj.is_instance_of::<PyBytes>() && !obj.is_instance_of::<PyByteArray>() {
-        if let Ok(buf) = PyBuffer::<u32>::get(obj) {
-            if buf.dimensions() != 1 {
-                return Err(PyValueError::new_err(format!(
-                    "token buffer must be 1-dimensional, got {} dimensions",
-                    buf.dimensions()
-                )));
-            }
-            return buf.to_vec(obj.py());
+    if let Ok(b) = obj.downcast::<PyBytes>() {
+        return Ok(b.as_bytes().iter().map(|&x| u32::from(x)).collect());
+    }
+    if let Ok(b) = obj.downcast::<PyByteArray>() {
+        return Ok(b.to_vec().into_iter().map(u32::from).collect());
+    }
+    if let Ok(buf) = PyBuffer::<u32>::get(obj) {
+        if buf.dimensions() != 1 {
+            return Err(PyValueError::new_err(format!(
+                "token buffer must be 1-dimensional, got {} dimensions",
+                buf.dimensions()
+            )));
         }
+        return buf.to_vec(obj.py());
     }
     if let Ok(list) = obj.downcast::<PyList>() {
         let mut out = Vec::with_capacity(list.len());
@@ -94,6 +100,8 @@ pub struct PyPrefixIndex {
 }
 
 type NameEntry = (Arc<str>, Py<PyString>);
+/// (worker id, its name handle, matched length): a match answer before the GIL is back.
+type Named = Vec<(u32, Arc<str>, u32)>;
 
 impl PyPrefixIndex {
     fn py_name(&self, py: Python<'_>, id: u32, handle: &Arc<str>) -> Py<PyString> {
@@ -184,7 +192,7 @@ impl PyPrefixIndex {
         tokens: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let tokens = extract_tokens(tokens)?;
-        let out: Vec<(u32, Arc<str>, u32)> = py.detach(|| {
+        let out: Named = py.detach(|| {
             let g = self.inner.read();
             g.match_all_ids(&tokens)
                 .into_iter()
@@ -196,6 +204,37 @@ impl PyPrefixIndex {
             d.set_item(self.py_name(py, id, &handle), len)?;
         }
         Ok(d)
+    }
+
+    /// What a routing decision reads, from one walk: (matched length per worker,
+    /// longest matched length, workers holding that length), as `match` and
+    /// `longest_match` answer them.
+    fn lookup<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: &Bound<'py, PyAny>,
+    ) -> PyResult<(Bound<'py, PyDict>, u32, Vec<Py<PyString>>)> {
+        let tokens = extract_tokens(tokens)?;
+        let (out, longest, holders): (Named, u32, usize) = py.detach(|| {
+            let g = self.inner.read();
+            let found = g.lookup_ids(&tokens);
+            let out = found
+                .matches
+                .into_iter()
+                .map(|(id, len)| (id, g.name_handle(id), len))
+                .collect();
+            (out, found.longest, found.holders)
+        });
+        let d = PyDict::new(py);
+        let mut names = Vec::with_capacity(holders);
+        for (i, (id, handle, len)) in out.into_iter().enumerate() {
+            let name = self.py_name(py, id, &handle);
+            if i < holders {
+                names.push(name.clone_ref(py));
+            }
+            d.set_item(name, len)?;
+        }
+        Ok((d, longest, names))
     }
 
     /// (longest matched length, workers holding that length).

@@ -102,6 +102,17 @@ pub struct Inserted {
     pub evicted: u64,
 }
 
+/// What [`PrefixIndex::lookup_ids`] found.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Lookup {
+    /// (worker id, matched length) for every worker holding a prefix of the tokens.
+    pub matches: Vec<(u32, u32)>,
+    /// The longest matched length (0: nothing matched).
+    pub longest: u32,
+    /// How many of `matches`, from the first, are the workers holding `longest`.
+    pub holders: usize,
+}
+
 /// Prefix index over u32 token IDs with per-worker token budgets.
 #[derive(Debug)]
 pub struct PrefixIndex {
@@ -573,6 +584,22 @@ impl PrefixIndex {
             }
         }
         out
+    }
+
+    /// What a routing decision reads, from one walk: the matched length per worker id
+    /// (as [`match_all_ids`](Self::match_all_ids)), and the longest match with its
+    /// holders (as [`longest_match_ids`](Self::longest_match_ids)): the deepest node's
+    /// holders come first in `matches`, in the same order, and nobody else matches as
+    /// deep (each node on the path ends deeper than its parent).
+    pub fn lookup_ids(&self, tokens: &[u32]) -> Lookup {
+        let matches = self.match_all_ids(tokens);
+        let longest = matches.first().map_or(0, |m| m.1);
+        let holders = matches.iter().take_while(|m| m.1 == longest).count();
+        Lookup {
+            matches,
+            longest,
+            holders,
+        }
     }
 
     /// Matched prefix length per worker name.

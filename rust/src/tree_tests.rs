@@ -260,6 +260,14 @@ fn randomized_against_reference() {
                     );
                     let expect_best = reference.match_all(&t).iter().map(|x| x.1).max();
                     assert_eq!(idx.longest_match(&t).0, expect_best.unwrap_or(0));
+                    // One walk answers both, in the same order as the two calls.
+                    let found = idx.lookup_ids(&t);
+                    let (longest, holders) = idx.longest_match_ids(&t);
+                    assert_eq!(found.matches, idx.match_all_ids(&t), "seed {seed}");
+                    assert_eq!(found.longest, longest, "seed {seed}");
+                    let first: Vec<u32> =
+                        found.matches[..found.holders].iter().map(|m| m.0).collect();
+                    assert_eq!(first, holders, "seed {seed}");
                 }
             }
             idx.check_invariants();

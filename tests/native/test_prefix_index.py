@@ -74,13 +74,21 @@ class IndexMachine(RuleBasedStateMachine):
         self.index = PrefixIndex(budget)
         self.ref = ReferenceIndex(budget)
 
-    @rule(worker=WORKERS, tokens=token_lists(), kind=st.sampled_from(["list", "array", "numpy"]))
+    @rule(
+        worker=WORKERS,
+        tokens=token_lists(),
+        kind=st.sampled_from(["list", "array", "numpy", "bytes", "bytearray"]),
+    )
     def insert(self, worker: str, tokens: list[int], kind: str) -> None:
         arg: object = tokens
         if kind == "array":
             arg = array.array("I", tokens)
         elif kind == "numpy":
             arg = np.asarray(tokens, dtype=np.uint32)
+        elif kind == "bytes":
+            arg = bytes(tokens)
+        elif kind == "bytearray":
+            arg = bytearray(tokens)
         self.index.insert(worker, arg)  # type: ignore[arg-type]
         self.ref.insert(worker, tokens)
 
@@ -91,6 +99,12 @@ class IndexMachine(RuleBasedStateMachine):
         best, holders = self.index.longest_match(tokens)
         assert best == max(expected.values(), default=0)
         assert sorted(holders) == sorted(w for w, n in expected.items() if n == best)
+        # One walk answers both, in the same order (the policy's ties depend on it),
+        # and a bytes prompt is its bytes as token IDs.
+        found = self.index.lookup(tokens)
+        assert found == (self.index.match(tokens), best, holders)
+        assert list(found[0].items()) == list(self.index.match(tokens).items())
+        assert self.index.lookup(bytes(tokens)) == found
 
     @precondition(lambda self: bool(self.ref.held))
     @rule(worker=WORKERS)
@@ -131,6 +145,11 @@ def test_buffer_list_and_numpy_agree() -> None:
     assert idx.match(tuple(range(5))) == {"a": 5}
     assert idx.match(iter(range(7))) == {"a": 7}
     assert idx.match([]) == {}
+    # bytes and bytearray: one token per byte, every byte value.
+    idx.insert("b", bytes(range(256)) * 2)
+    assert idx.match(array.array("I", list(range(256)) * 2)) == {"b": 512, "a": 100}
+    assert idx.lookup(bytearray(range(200))) == ({"b": 200, "a": 100}, 200, ["b"])
+    assert idx.lookup(b"") == ({}, 0, [])
 
 
 @pytest.mark.parametrize(
@@ -151,6 +170,8 @@ def test_bad_tokens_raise_clear_errors(bad: object, exc: type[Exception], messag
         idx.insert("b", bad)  # type: ignore[arg-type]
     with pytest.raises(exc):
         idx.match(bad)  # type: ignore[arg-type]
+    with pytest.raises(exc):
+        idx.lookup(bad)  # type: ignore[arg-type]
     assert idx.workers() == ["a"]
     assert idx.cached_tokens("a") == 3
 

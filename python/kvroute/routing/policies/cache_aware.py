@@ -112,16 +112,17 @@ class CacheAware(Policy):
         self._tickets = 0
 
     def _precise_match(
-        self, tokens: Sequence[int], loads: Mapping[str, int]
+        self, tokens: Sequence[int], loads: Mapping[str, int], approx: dict[str, int] | None
     ) -> tuple[int, list[str], dict[str, int]] | None:
         """Best match over healthy workers mixing event-fed and predicted state, or None
-        when no worker is in precise mode."""
+        when no worker is in precise mode. ``approx``: the index's match, if looked up."""
         if self.precise is None:
             return None
         exact, trusted = self.precise.match(tokens)
         if not trusted:
             return None
-        approx = self.index.match(tokens)
+        if approx is None:
+            approx = self.index.match(tokens)
         per = {w: (exact.get(w, 0) if w in trusted else approx.get(w, 0)) for w in loads}
         for ticket, n in self._pending.match(tokens).items():
             w = ticket.partition("\0")[0]
@@ -138,22 +139,34 @@ class CacheAware(Policy):
         hi = max(loads.values())
         n = len(tokens)
         matches: dict[str, int] | None = None
+        # Work mode reads the per-worker matches and the longest one: one walk.
+        looked: tuple[dict[str, int], int, list[str]] | None = None
         if self.work is not None:
-            matches = self.index.match(tokens) if n else {}
+            if n:
+                looked = self.index.lookup(tokens)
+                matches = looked[0]
+            else:
+                matches = {}
         if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
             worker = self._least(loads, None, self._predict(loads, n, matches))
             return self._record(self._decision(worker, "imbalance", 0, matches), tokens)
-        precise = self._precise_match(tokens, loads) if n else None
+        approx = looked[0] if looked is not None else None
+        precise = self._precise_match(tokens, loads, approx) if n else None
         if precise is not None:
             matched, healthy, per = precise
             if matches is not None:
                 matches = per
         else:
-            matched, holders = self.index.longest_match(tokens) if n else (0, [])
+            if looked is not None:
+                _, matched, holders = looked
+            else:
+                matched, holders = self.index.longest_match(tokens) if n else (0, [])
             healthy = [w for w in holders if w in loads]
         if matched and not healthy:
             # The deepest holders are down: fall back to the best healthy match.
-            per_worker = {w: m for w, m in self.index.match(tokens).items() if w in loads}
+            if approx is None:
+                approx = self.index.match(tokens)
+            per_worker = {w: m for w, m in approx.items() if w in loads}
             if per_worker:
                 matched = max(per_worker.values())
                 healthy = [w for w, m in per_worker.items() if m == matched]
