@@ -1,5 +1,6 @@
 """Type stubs for the Rust extension ``kvroute._native``."""
 
+import array
 from collections.abc import Iterable
 from typing import TypeAlias, final
 
@@ -153,4 +154,9 @@ class BlockIndex:
     def distinct_blocks(self) -> int:
         """Distinct blocks over the whole fleet."""
 
-__all__ = ["BlockIndex", "PrefixIndex", "UnknownParentError"]
+def utf8_token_ids(text: str) -> array.array[int]:
+    """One token ID per byte of ``text`` encoded in UTF-8 (lone surrogates as
+    ``surrogatepass`` encodes them): the no-tokenizer mode's prompt, as an
+    ``array.array('I')``, built in one native pass."""
+
+__all__ = ["BlockIndex", "PrefixIndex", "UnknownParentError", "utf8_token_ids"]

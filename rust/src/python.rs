@@ -13,6 +13,7 @@ use parking_lot::{Mutex, RwLock};
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyString, PyTuple};
 use std::sync::Arc;
 
@@ -348,6 +349,47 @@ impl PyPrefixIndex {
     }
 }
 
+/// `array.array('I', [0])`, repeated to size the arrays `utf8_token_ids` fills.
+static ONE_ZERO_ID: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+
+/// The no-tokenizer mode's token IDs: one per byte of `text` in UTF-8 (lone surrogates
+/// as Python's `surrogatepass` encodes them), as an `array.array('I')`. One pass from
+/// the str's own UTF-8 into the array: no intermediate bytes or NumPy arrays.
+#[pyfunction]
+fn utf8_token_ids<'py>(
+    py: Python<'py>,
+    text: &Bound<'py, PyString>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let encoded;
+    let utf8: &[u8] = match text.to_str() {
+        Ok(s) => s.as_bytes(),
+        Err(_) => {
+            // Lone surrogates: no UTF-8 of its own; Python encodes them.
+            encoded = text
+                .call_method1("encode", ("utf-8", "surrogatepass"))?
+                .downcast_into::<PyBytes>()?;
+            encoded.as_bytes()
+        }
+    };
+    let one = ONE_ZERO_ID.get_or_try_init(py, || -> PyResult<Py<PyAny>> {
+        let array = py.import("array")?.getattr("array")?;
+        Ok(array.call1(("I", vec![0u32]))?.unbind())
+    })?;
+    let ids = one.bind(py).mul(utf8.len())?;
+    if utf8.is_empty() {
+        return Ok(ids); // no storage to fill (nor an aligned pointer to it)
+    }
+    let buf = PyBuffer::<u32>::get(&ids)?;
+    let cells = buf
+        .as_mut_slice(py)
+        .ok_or_else(|| PyTypeError::new_err("array('I') is not a writable u32 buffer"))?;
+    for (cell, &b) in cells.iter().zip(utf8) {
+        cell.set(u32::from(b));
+    }
+    drop(buf);
+    Ok(ids)
+}
+
 pyo3::create_exception!(
     _native,
     UnknownParentError,
@@ -485,6 +527,7 @@ impl PyBlockIndex {
 fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPrefixIndex>()?;
     m.add_class::<PyBlockIndex>()?;
+    m.add_function(wrap_pyfunction!(utf8_token_ids, m)?)?;
     m.add(
         "UnknownParentError",
         m.py().get_type::<UnknownParentError>(),

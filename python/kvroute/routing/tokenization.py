@@ -33,9 +33,9 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any, TypeAlias
 
-import numpy
 import orjson
 
+from kvroute._native import utf8_token_ids
 from kvroute.errors import BadRequestError
 from kvroute.routing import bpe, partial
 from kvroute.routing.bpe import FastBPE
@@ -92,10 +92,10 @@ def default_tokenizer_dir() -> str | None:
 
 
 def utf8_tokens(text: str) -> array.array[int]:
-    """The no-tokenizer fallback: one token per UTF-8 byte of ``text`` (widened to u32
-    by NumPy: 30x faster than ``array.extend`` over the bytes, ~190 µs for 8 KB)."""
-    raw = numpy.frombuffer(text.encode("utf-8", "surrogatepass"), numpy.uint8)
-    return array.array("I", raw.astype(numpy.uint32).tobytes())
+    """The no-tokenizer fallback: one token per UTF-8 byte of ``text`` (lone surrogates
+    as ``surrogatepass`` encodes them), widened to u32 in one native pass from the
+    str's own UTF-8 (NumPy's encode, cast and copies took 3x as long)."""
+    return utf8_token_ids(text)
 
 
 def _message_text(content: Any, index: int) -> str:
