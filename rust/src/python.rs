@@ -17,8 +17,61 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyString, PyTuple};
 use std::sync::Arc;
 
-/// Convert a Python token container into owned u32s.
-fn extract_tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+/// Token IDs as the index reads them: converted from a Python container, or shared
+/// with a `TokenIds` handle (converted by an earlier call, never copied again).
+enum Tokens {
+    Owned(Vec<u32>),
+    Shared(Arc<Vec<u32>>),
+}
+
+impl std::ops::Deref for Tokens {
+    type Target = [u32];
+    fn deref(&self) -> &[u32] {
+        match self {
+            Tokens::Owned(v) => v,
+            Tokens::Shared(v) => v,
+        }
+    }
+}
+
+impl Tokens {
+    /// Shareable without a copy (the Vec moves behind the Arc).
+    fn into_shared(self) -> Arc<Vec<u32>> {
+        match self {
+            Tokens::Owned(v) => Arc::new(v),
+            Tokens::Shared(v) => v,
+        }
+    }
+}
+
+/// A prompt's token IDs as `PrefixIndex.lookup` converted them, handed back so that the
+/// same decision's `insert` (or any call taking tokens) reads them without converting
+/// or copying them again. Immutable.
+#[pyclass(name = "TokenIds", module = "kvroute._native", frozen)]
+pub struct PyTokenIds {
+    ids: Arc<Vec<u32>>,
+}
+
+#[pymethods]
+impl PyTokenIds {
+    fn __len__(&self) -> usize {
+        self.ids.len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("TokenIds(<{} tokens>)", self.ids.len())
+    }
+}
+
+/// Convert a Python token container into u32s.
+fn extract_tokens(obj: &Bound<'_, PyAny>) -> PyResult<Tokens> {
+    if let Ok(t) = obj.downcast::<PyTokenIds>() {
+        return Ok(Tokens::Shared(Arc::clone(&t.get().ids)));
+    }
+    extract_owned(obj).map(Tokens::Owned)
+}
+
+fn extract_owned(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     if obj.is_instance_of::<PyString>() {
         return Err(PyTypeError::new_err(
             "tokens must be a sequence of int token IDs or a uint32 buffer, not str \
@@ -103,6 +156,8 @@ pub struct PyPrefixIndex {
 type NameEntry = (Arc<str>, Py<PyString>);
 /// (worker id, its name handle, matched length): a match answer before the GIL is back.
 type Named = Vec<(u32, Arc<str>, u32)>;
+/// `lookup`'s answer: per-worker matches, longest match, its holders, the tokens.
+type LookupAnswer<'py> = (Bound<'py, PyDict>, u32, Vec<Py<PyString>>, Py<PyTokenIds>);
 
 impl PyPrefixIndex {
     fn py_name(&self, py: Python<'_>, id: u32, handle: &Arc<str>) -> Py<PyString> {
@@ -209,13 +264,14 @@ impl PyPrefixIndex {
 
     /// What a routing decision reads, from one walk: (matched length per worker,
     /// longest matched length, workers holding that length), as `match` and
-    /// `longest_match` answer them.
+    /// `longest_match` answer them, and the tokens as converted (`TokenIds`, for the
+    /// decision's `insert`).
     fn lookup<'py>(
         &self,
         py: Python<'py>,
         tokens: &Bound<'py, PyAny>,
-    ) -> PyResult<(Bound<'py, PyDict>, u32, Vec<Py<PyString>>)> {
-        let tokens = extract_tokens(tokens)?;
+    ) -> PyResult<LookupAnswer<'py>> {
+        let tokens = extract_tokens(tokens)?.into_shared();
         let (out, longest, holders): (Named, u32, usize) = py.detach(|| {
             let g = self.inner.read();
             let found = g.lookup_ids(&tokens);
@@ -235,7 +291,7 @@ impl PyPrefixIndex {
             }
             d.set_item(name, len)?;
         }
-        Ok((d, longest, names))
+        Ok((d, longest, names, Py::new(py, PyTokenIds { ids: tokens })?))
     }
 
     /// (longest matched length, workers holding that length).
@@ -527,6 +583,7 @@ impl PyBlockIndex {
 fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPrefixIndex>()?;
     m.add_class::<PyBlockIndex>()?;
+    m.add_class::<PyTokenIds>()?;
     m.add_function(wrap_pyfunction!(utf8_token_ids, m)?)?;
     m.add(
         "UnknownParentError",

@@ -78,7 +78,7 @@ def test_digest_index_agrees_with_the_token_index_on_whole_blocks() -> None:
         q = prompt(s % 9, 200) + prompt(100 + s, 50)
         want = {w: (n // BLOCK_SIZE) * BLOCK_SIZE for w, n in tokens.match(q).items()}
         assert digest.match(q) == {w: n for w, n in want.items() if n}
-        assert digest.lookup(q) == (digest.match(q), *digest.longest_match(q))
+        assert digest.lookup(q) == (digest.match(q), *digest.longest_match(q), q)
 
 
 def test_digest_lookup_is_match_and_longest_match_when_half_a_digest_matches() -> None:
@@ -91,7 +91,7 @@ def test_digest_lookup_is_match_and_longest_match_when_half_a_digest_matches() -
         q = prompt(0, 3 * BLOCK_SIZE)
         digest._last, digest._last_keys = q, np.array(query, dtype=np.uint32)
         got = digest.lookup(q)
-        assert got == (digest.match(q), *digest.longest_match(q)), query
+        assert got == (digest.match(q), *digest.longest_match(q), q), query
 
 
 def test_store_url_is_checked_and_redacted() -> None:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvroute import PrefixIndex
+from kvroute._native import BlockIndex
 
 
 class ReferenceIndex:
@@ -102,9 +103,21 @@ class IndexMachine(RuleBasedStateMachine):
         # One walk answers both, in the same order (the policy's ties depend on it),
         # and a bytes prompt is its bytes as token IDs.
         found = self.index.lookup(tokens)
-        assert found == (self.index.match(tokens), best, holders)
+        assert found[:3] == (self.index.match(tokens), best, holders)
         assert list(found[0].items()) == list(self.index.match(tokens).items())
-        assert self.index.lookup(bytes(tokens)) == found
+        assert self.index.lookup(bytes(tokens))[:3] == found[:3]
+        # The converted tokens stand for the prompt in any later call.
+        ids = found[3]
+        assert len(ids) == len(tokens)
+        assert self.index.lookup(ids)[:3] == found[:3]
+        assert self.index.match(ids) == expected
+
+    @rule(worker=WORKERS, tokens=token_lists())
+    def insert_what_lookup_converted(self, worker: str, tokens: list[int]) -> None:
+        """A decision's insert: the lookup's ``TokenIds``, not the tokens again."""
+        *_, ids = self.index.lookup(tokens)
+        self.index.insert(worker, ids)
+        self.ref.insert(worker, tokens)
 
     @precondition(lambda self: bool(self.ref.held))
     @rule(worker=WORKERS)
@@ -148,8 +161,8 @@ def test_buffer_list_and_numpy_agree() -> None:
     # bytes and bytearray: one token per byte, every byte value.
     idx.insert("b", bytes(range(256)) * 2)
     assert idx.match(array.array("I", list(range(256)) * 2)) == {"b": 512, "a": 100}
-    assert idx.lookup(bytearray(range(200))) == ({"b": 200, "a": 100}, 200, ["b"])
-    assert idx.lookup(b"") == ({}, 0, [])
+    assert idx.lookup(bytearray(range(200)))[:3] == ({"b": 200, "a": 100}, 200, ["b"])
+    assert idx.lookup(b"")[:3] == ({}, 0, [])
 
 
 @pytest.mark.parametrize(
@@ -267,3 +280,19 @@ def test_recycled_worker_ids_report_the_new_name() -> None:
     idx.insert("new", [1, 2, 3])
     assert idx.longest_match([1, 2, 3]) == (3, ["new"])
     assert idx.match([1, 2]) == {"new": 2}
+
+
+def test_token_ids_from_a_lookup_stand_for_the_prompt_everywhere() -> None:
+    idx = PrefixIndex()
+    idx.insert("a", [1, 2, 3])
+    matches, longest, holders, ids = idx.lookup(array.array("I", [1, 2, 3, 4, 5]))
+    assert (matches, longest, holders, len(ids)) == ({"a": 3}, 3, ["a"], 5)
+    assert "5 tokens" in repr(ids)
+    assert idx.insert("b", ids) == 0
+    assert idx.longest_match([1, 2, 3, 4, 5]) == (5, ["b"])
+    assert idx.rollback("b", ids, 0) == 5  # the insert undone from the same handle
+    assert idx.match([1, 2, 3, 4, 5]) == {"a": 3}
+    blocks = BlockIndex()
+    blocks.stored("w", None, [7], ids, 5)  # any call that takes tokens
+    assert blocks.match([1, 2, 3, 4, 5]) == {"w": 5}
+    idx.check_invariants()

@@ -132,17 +132,18 @@ class DigestIndex:
             return (best, [w for w, m in per.items() if m == best]) if best else (0, [])
         return self._tokens(n), holders
 
-    def lookup(self, tokens: Sequence[int]) -> tuple[dict[str, int], int, list[str]]:
-        """``(match(tokens), *longest_match(tokens))`` from one walk of the tree."""
+    def lookup(self, tokens: Sequence[int]) -> tuple[dict[str, int], int, list[str], Sequence[int]]:
+        """``(match(tokens), *longest_match(tokens), tokens)`` from one walk of the tree
+        (``tokens`` for the decision's ``insert``: its digests are kept for it)."""
         keys = self.keys(tokens)
         if not len(keys):
-            return {}, 0, []
-        got, n, holders = self.tree.lookup(keys)
+            return {}, 0, [], tokens
+        got, n, holders, _ = self.tree.lookup(keys)
         per = {w: self._tokens(m) for w, m in got.items() if m >= 2}
         if n % 2:  # as longest_match: a digest's first half matched, its second did not
             best = max(per.values(), default=0)
-            return per, best, [w for w, m in per.items() if m == best] if best else []
-        return per, self._tokens(n), holders
+            return per, best, [w for w, m in per.items() if m == best] if best else [], tokens
+        return per, self._tokens(n), holders, tokens
 
     def remove_worker(self, worker: str) -> None:
         self.tree.remove_worker(worker)

@@ -62,12 +62,15 @@ longest match are all unhealthy, the best healthy match is used instead.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import Protocol, TypeAlias
 
-from kvroute._native import PrefixIndex
+from kvroute._native import PrefixIndex, TokenIds
 from kvroute.routing.load import LoadModel, Predictions
 from kvroute.routing.policies._common import TieBreaker, tie_window
 from kvroute.routing.policies.base import Decision, NoWorkerError, Policy, Reason, RouteRequest
+
+# A prompt as the index takes it: as routed, or as its lookup converted it.
+Tokens: TypeAlias = Sequence[int] | TokenIds
 
 
 class PreciseSource(Protocol):
@@ -139,17 +142,19 @@ class CacheAware(Policy):
         hi = max(loads.values())
         n = len(tokens)
         matches: dict[str, int] | None = None
-        # Work mode reads the per-worker matches and the longest one: one walk.
-        looked: tuple[dict[str, int], int, list[str]] | None = None
+        # Work mode reads the per-worker matches and the longest one: one walk, and the
+        # tokens it converted (``ids``) go to the insert as they are.
+        looked: tuple[dict[str, int], int, list[str], Tokens] | None = None
+        ids: Tokens = tokens
         if self.work is not None:
             if n:
                 looked = self.index.lookup(tokens)
-                matches = looked[0]
+                matches, ids = looked[0], looked[3]
             else:
                 matches = {}
         if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
             worker = self._least(loads, None, self._predict(loads, n, matches))
-            return self._record(self._decision(worker, "imbalance", 0, matches), tokens)
+            return self._record(self._decision(worker, "imbalance", 0, matches), n, ids)
         approx = looked[0] if looked is not None else None
         precise = self._precise_match(tokens, loads, approx) if n else None
         if precise is not None:
@@ -158,7 +163,7 @@ class CacheAware(Policy):
                 matches = per
         else:
             if looked is not None:
-                _, matched, holders = looked
+                _, matched, holders, _ = looked
             else:
                 matched, holders = self.index.longest_match(tokens) if n else (0, [])
             healthy = [w for w in holders if w in loads]
@@ -194,7 +199,7 @@ class CacheAware(Policy):
             matched = 0 if worker not in healthy else matched
         decision = self._decision(worker, reason, matched, matches)
         decision.precise = precise is not None
-        return self._record(decision, tokens)
+        return self._record(decision, n, ids)
 
     def _decision(
         self, worker: str, reason: Reason, matched: int, matches: dict[str, int] | None
@@ -249,9 +254,10 @@ class CacheAware(Policy):
             return None
         return alt
 
-    def _record(self, decision: Decision, tokens: Sequence[int]) -> Decision:
-        """The chosen worker now holds ``tokens`` (predicted; pending in precise mode)."""
-        if len(tokens):
+    def _record(self, decision: Decision, n: int, tokens: Tokens) -> Decision:
+        """The chosen worker now holds ``tokens``, ``n`` of them (predicted; pending in
+        precise mode)."""
+        if n:
             decision.held_before = self.index.insert(decision.worker, tokens)
             if self.precise is not None:
                 self._tickets += 1
