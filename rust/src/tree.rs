@@ -141,9 +141,13 @@ impl Default for PrefixIndex {
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     let n = a.len().min(b.len());
     let (a, b) = (&a[..n], &b[..n]);
-    // Compare 16-token chunks with slice equality (a vectorised memcmp) first.
+    // Compare 16-token chunks first, each folded to one word (compiled to a few vector
+    // instructions; a slice comparison called memcmp once per chunk).
     let mut i = 0;
-    while i + 16 <= n && a[i..i + 16] == b[i..i + 16] {
+    for (x, y) in a.chunks_exact(16).zip(b.chunks_exact(16)) {
+        if x.iter().zip(y).fold(0, |d, (p, q)| d | (p ^ q)) != 0 {
+            break;
+        }
         i += 16;
     }
     while i < n && a[i] == b[i] {

@@ -371,3 +371,20 @@ fn a_worker_budget_overrides_the_index_budget() {
     assert_eq!(idx.worker_budget("unknown"), Some(100));
     idx.check_invariants();
 }
+
+#[test]
+fn common_prefix_finds_the_first_difference_at_every_position() {
+    for len in [0usize, 1, 15, 16, 17, 31, 32, 33, 100] {
+        let a: Vec<u32> = (0..len as u32).map(|x| x * 7 + 1).collect();
+        assert_eq!(common_prefix(&a, &a), len);
+        assert_eq!(common_prefix(&a, &a[..len / 2]), len / 2);
+        for at in 0..len {
+            for flip in [1u32, 1 << 31] {
+                let mut b = a.clone();
+                b[at] ^= flip;
+                assert_eq!(common_prefix(&a, &b), at, "len {len} at {at}");
+                assert_eq!(common_prefix(&b, &a), at, "len {len} at {at}");
+            }
+        }
+    }
+}
