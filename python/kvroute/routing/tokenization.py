@@ -363,8 +363,10 @@ class PromptTokenizer:
         if self._tok is None:
             request_template_kwargs(body, trusted=self.trust_request_chat_template)
             return "".join(
-                f"{m['role']}: {_message_text(m.get('content'), i)}\n"
-                for i, m in enumerate(messages)
+                [
+                    f"{m['role']}: {_message_text(m.get('content'), i)}\n"
+                    for i, m in enumerate(messages)
+                ]
             )
         return self._render(messages, body, time.monotonic() + self.template_timeout_s)
 
@@ -492,6 +494,8 @@ class PromptTokenizer:
         A batch routes on its first prompt; every prompt is validated."""
         if route == "chat":
             messages = _check_messages(body.get("messages"))
+            if self._tok is None:  # bytes: nothing to wait for (no pool, no thread)
+                return utf8_tokens(self.render_chat(messages, body))
             text = await self.render_chat_async(messages, body)
             return await self.encode_text_async(text)
         prompts, _ = self._prompts(route, body)

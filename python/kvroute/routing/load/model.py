@@ -436,6 +436,7 @@ class LoadModel:
         ttft: dict[str, float] = {}
         own: dict[str, float] = {}
         known = self.workers
+        fleet = self.fleet_line
         for w in workers:
             matched = matches.get(w, 0)
             uncached = tokens - matched
@@ -443,11 +444,16 @@ class LoadModel:
             if st is None:
                 ttft[w] = own[w] = PRIOR_OVERHEAD_S + max(0, uncached) / PRIOR_PREFILL_TPS
                 continue
-            intercept, slope = self.line(st)
-            o = own[w] = _own(st, intercept, slope, uncached, matched)
-            ttft[w] = (
-                self._ahead(w, st, intercept, slope, max(0, uncached)) + o + self._slot_wait(w, st)
-            )
+            # ``line`` and ``_own`` inlined: this runs for every worker at every decision.
+            p = st.prefill
+            if fleet is None or p.samples >= MIN_SAMPLES:
+                intercept, slope = p.intercept, p.slope
+            else:
+                intercept, slope = fleet
+            if uncached < 0:
+                uncached = 0
+            o = own[w] = intercept + (uncached + (1.0 - st.trust) * max(0, matched)) * slope
+            ttft[w] = self._ahead(w, st, intercept, slope, uncached) + o + self._slot_wait(w, st)
         return Predictions(ttft, own)
 
     def queued_per_worker(self, workers: Iterable[str]) -> float:

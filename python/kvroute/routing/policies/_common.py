@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from math import isfinite
 
 from kvroute.routing.policies.base import NoWorkerError
 
@@ -64,6 +65,14 @@ class TieBreaker:
         decode will compete for slots later), then rotation."""
         if not scores:
             raise NoWorkerError("no healthy worker")
+        if len(scores) == 1 and self.per_worker and isfinite(next(iter(scores.values()))):
+            # One candidate (a single cache holder): it ties with itself.
+            (choice,) = scores
+            self._turn += 1
+            self._last[choice] = self._turn
+            if len(self._last) > 4096:
+                self._last = {choice: self._turn}
+            return choice
         best = min(scores.values())
         tie = tie_window(best)
         if not self.per_worker:
@@ -81,6 +90,8 @@ class TieBreaker:
                 if not n or k < key:
                     choice, key = w, k
                 n += 1
+        if not n:  # no finite prediction ties with the best one
+            raise NoWorkerError("no healthy worker")
         self._turn += 1
         last[choice] = self._turn
         if len(last) > 4096:  # workers that left long ago (as ``least_loaded`` prunes)

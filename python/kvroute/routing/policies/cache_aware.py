@@ -156,7 +156,9 @@ class CacheAware(Policy):
             worker = self._least(loads, None, self._predict(loads, n, matches))
             return self._record(self._decision(worker, "imbalance", 0, matches), n, ids)
         approx = looked[0] if looked is not None else None
-        precise = self._precise_match(tokens, loads, approx) if n else None
+        precise = (
+            self._precise_match(tokens, loads, approx) if n and self.precise is not None else None
+        )
         if precise is not None:
             matched, healthy, per = precise
             if matches is not None:
