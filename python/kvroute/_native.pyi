@@ -10,7 +10,8 @@ from typing_extensions import Buffer
 class TokenIds:
     """A prompt's token IDs as ``PrefixIndex.lookup`` converted them (immutable): pass it
     wherever tokens are taken (the decision's ``insert``) to skip converting and copying
-    the prompt again."""
+    the prompt again. It also keeps the lookup's walk: an ``insert`` into the same index,
+    unchanged since, starts below the nodes the tokens matched whole (same result)."""
 
     def __len__(self) -> int: ...
 

@@ -8,7 +8,7 @@
 //! index half-changed.
 
 use crate::blocks::{BlockIndex, EventError};
-use crate::tree::PrefixIndex;
+use crate::tree::{PrefixIndex, Walk};
 use parking_lot::{Mutex, RwLock};
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -46,10 +46,14 @@ impl Tokens {
 
 /// A prompt's token IDs as `PrefixIndex.lookup` converted them, handed back so that the
 /// same decision's `insert` (or any call taking tokens) reads them without converting
-/// or copying them again. Immutable.
+/// or copying them again, nor (an insert into the same, unchanged index) walking again
+/// the nodes they matched whole. Immutable.
 #[pyclass(name = "TokenIds", module = "kvroute._native", frozen)]
 pub struct PyTokenIds {
     ids: Arc<Vec<u32>>,
+    /// The lookup's walk: an insert of these tokens into the same, unchanged index
+    /// resumes below it (`PrefixIndex::insert_after`).
+    walk: Walk,
 }
 
 #[pymethods]
@@ -223,6 +227,16 @@ impl PyPrefixIndex {
     /// Record that `worker` holds `tokens`; returns how many leading tokens it held
     /// before. Evicts over budget.
     fn insert(&self, py: Python<'_>, worker: &str, tokens: &Bound<'_, PyAny>) -> PyResult<u64> {
+        if let Ok(t) = tokens.downcast::<PyTokenIds>() {
+            let t = t.get();
+            let (ids, walk) = (Arc::clone(&t.ids), &t.walk);
+            return Ok(py.detach(|| {
+                self.inner
+                    .write()
+                    .insert_after(worker, &ids, walk)
+                    .held_before
+            }));
+        }
         let tokens = extract_tokens(tokens)?;
         Ok(py.detach(|| self.inner.write().insert(worker, &tokens).held_before))
     }
@@ -272,7 +286,7 @@ impl PyPrefixIndex {
         tokens: &Bound<'py, PyAny>,
     ) -> PyResult<LookupAnswer<'py>> {
         let tokens = extract_tokens(tokens)?.into_shared();
-        let (out, longest, holders): (Named, u32, usize) = py.detach(|| {
+        let (out, longest, holders, walk): (Named, u32, usize, Walk) = py.detach(|| {
             let g = self.inner.read();
             let found = g.lookup_ids(&tokens);
             let out = found
@@ -280,7 +294,7 @@ impl PyPrefixIndex {
                 .into_iter()
                 .map(|(id, len)| (id, g.name_handle(id), len))
                 .collect();
-            (out, found.longest, found.holders)
+            (out, found.longest, found.holders, found.walk)
         });
         let d = PyDict::new(py);
         let mut names = Vec::with_capacity(holders);
@@ -291,7 +305,8 @@ impl PyPrefixIndex {
             }
             d.set_item(name, len)?;
         }
-        Ok((d, longest, names, Py::new(py, PyTokenIds { ids: tokens })?))
+        let ids = PyTokenIds { ids: tokens, walk };
+        Ok((d, longest, names, Py::new(py, ids)?))
     }
 
     /// (longest matched length, workers holding that length).

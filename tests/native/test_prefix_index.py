@@ -114,8 +114,20 @@ class IndexMachine(RuleBasedStateMachine):
 
     @rule(worker=WORKERS, tokens=token_lists())
     def insert_what_lookup_converted(self, worker: str, tokens: list[int]) -> None:
-        """A decision's insert: the lookup's ``TokenIds``, not the tokens again."""
+        """A decision's insert: the lookup's ``TokenIds`` (and walk), not the tokens."""
         *_, ids = self.index.lookup(tokens)
+        self.index.insert(worker, ids)
+        self.ref.insert(worker, tokens)
+
+    @rule(worker=WORKERS, other=WORKERS, tokens=token_lists(), between=token_lists())
+    def insert_after_the_tree_changed(
+        self, worker: str, other: str, tokens: list[int], between: list[int]
+    ) -> None:
+        """The lookup's walk is stale once anything changed: the insert still records
+        exactly the tokens."""
+        *_, ids = self.index.lookup(tokens)
+        self.index.insert(other, between)
+        self.ref.insert(other, between)
         self.index.insert(worker, ids)
         self.ref.insert(worker, tokens)
 
