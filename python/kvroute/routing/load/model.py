@@ -437,6 +437,8 @@ class LoadModel:
         own: dict[str, float] = {}
         known = self.workers
         fleet = self.fleet_line
+        # No capacity known for any worker (none fixed, learned or read): no slot wait.
+        no_caps = self.fixed_capacity is None and not self.capacities
         for w in workers:
             matched = matches.get(w, 0)
             uncached = tokens - matched
@@ -453,7 +455,8 @@ class LoadModel:
             if uncached < 0:
                 uncached = 0
             o = own[w] = intercept + (uncached + (1.0 - st.trust) * max(0, matched)) * slope
-            ttft[w] = self._ahead(w, st, intercept, slope, uncached) + o + self._slot_wait(w, st)
+            slot = 0.0 if no_caps and st.engine is None else self._slot_wait(w, st)
+            ttft[w] = self._ahead(w, st, intercept, slope, uncached) + o + slot
         return Predictions(ttft, own)
 
     def queued_per_worker(self, workers: Iterable[str]) -> float:

@@ -74,7 +74,7 @@ class TieBreaker:
                 self._last = {choice: self._turn}
             return choice
         best = min(scores.values())
-        tie = tie_window(best)
+        tie = max(TIE_ABS_S, TIE_REL * best)  # tie_window(best)
         if not self.per_worker:
             tied = {w: loads.get(w, 0) for w, t in scores.items() if t - best <= tie}
             return self.least_loaded(tied)
