@@ -12,4 +12,4 @@ pub mod tree;
 mod python;
 
 pub use blocks::{BlockIndex, EventError};
-pub use tree::{IndexStats, PrefixIndex};
+pub use tree::{IndexStats, Lookup, PrefixIndex, Walk};

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvroute.routing.load import (
     PRIOR_OVERHEAD_S,
@@ -206,3 +209,81 @@ def test_a_request_overtaken_by_a_later_one_gives_no_queued_sample() -> None:
     second.first_byte(1.5)
     assert second.sample is None
     assert third.sample is None  # not the oldest waiting when it came back
+
+
+WORKERS = ("a", "b", "c", "d")
+_op = st.one_of(
+    st.tuples(
+        st.just("reserve"),
+        st.sampled_from(WORKERS),
+        st.integers(0, 50_000),
+        st.integers(0, 20_000),
+        st.integers(1, 500),
+    ),
+    st.tuples(st.just("first_byte"), st.integers(0, 63), st.floats(0.001, 5.0)),
+    st.tuples(st.just("end"), st.integers(0, 63), st.floats(0.001, 5.0), st.integers(0, 400)),
+    st.tuples(
+        st.just("engine"),
+        st.sampled_from(WORKERS),
+        st.integers(0, 12),
+        st.integers(0, 12),
+        st.one_of(st.none(), st.floats(0.0, 1.0)),
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ops=st.lists(_op, max_size=60),
+    fixed=st.one_of(st.none(), st.integers(1, 6)),
+    capacities=st.dictionaries(st.sampled_from(WORKERS), st.integers(0, 6)),
+    others=st.dictionaries(st.sampled_from(WORKERS), st.integers(0, 5)),
+    peer=st.dictionaries(st.sampled_from(WORKERS), st.integers(0, 5)),
+    shared=st.booleans(),
+    tokens=st.integers(0, 60_000),
+    matches=st.dictionaries(st.sampled_from((*WORKERS, "new")), st.integers(0, 60_000)),
+)
+def test_predictions_per_decision_are_the_per_worker_calls_exactly(
+    ops: list[tuple[Any, ...]],
+    fixed: int | None,
+    capacities: dict[str, int],
+    others: dict[str, int],
+    peer: dict[str, int],
+    shared: bool,
+    tokens: int,
+    matches: dict[str, int],
+) -> None:
+    """``LoadModel.predict`` (what cache_aware computes once per decision) gives, bit
+    for bit, what ``ttft``, ``own_prefill`` and ``cost`` give worker by worker, over
+    model states built from random reservations, first bytes, ends (learning speed,
+    output length and trust) and engine readings, and for a worker it never saw."""
+    m = LoadModel()
+    m.fixed_capacity, m.capacities, m.others, m.peer = fixed, capacities, others, peer
+    if shared:
+        m.peer_pending = {w: n % 3 for w, n in peer.items()}
+        m.peer_prefill = {w: 1000 * n for w, n in peer.items()}
+    tickets = []
+    now = 0.0
+    for op in ops:
+        now += 0.01
+        if op[0] == "reserve":
+            _, w, uncached, matched, out = op
+            tickets.append(m.reserve(w, uncached, out, now, matched))
+        elif op[0] == "first_byte" and tickets:
+            tickets[op[1] % len(tickets)].first_byte(now + op[2])
+        elif op[0] == "end" and tickets:
+            t = tickets[op[1] % len(tickets)]
+            t.reported_uncached = op[3] * 10
+            t.end(now + op[2], output_tokens=op[3])
+        elif op[0] == "engine":
+            m.observe_engine(op[1], op[2], op[3], op[4])
+    workers = (*WORKERS, "new")
+    pred = m.predict(workers, tokens, matches)
+    behind = m.queued_per_worker(workers)
+    for w in workers:
+        held = matches.get(w, 0)
+        assert pred.ttft[w] == m.ttft(w, tokens - held, held)
+        assert pred.own[w] == m.own_prefill(w, tokens - held, held)
+        assert pred.cost(w, behind) == m.cost(w, tokens, held, behind)
+    for s in m.workers.values():
+        assert s.prefill.samples == sum(len(b) for b in s.prefill._by_size.values())

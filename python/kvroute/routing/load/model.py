@@ -187,6 +187,27 @@ class Ticket:
                 st.decode_s.observe((now - self.first_at) / (output_tokens - 1))
 
 
+def _own(st: WorkerWork, intercept: float, slope: float, uncached: int, matched: int) -> float:
+    """``LoadModel.own_prefill`` on ``st``'s line."""
+    expect = max(0, uncached) + (1.0 - st.trust) * max(0, matched)
+    return intercept + expect * slope
+
+
+class Predictions:
+    """One request's predicted time to first token (``ttft``) and own prefill seconds
+    (``own``) per worker, as ``LoadModel.predict`` computed them for one decision."""
+
+    __slots__ = ("own", "ttft")
+
+    def __init__(self, ttft: dict[str, float], own: dict[str, float]) -> None:
+        self.ttft = ttft
+        self.own = own
+
+    def cost(self, worker: str, behind: float) -> float:
+        """``LoadModel.cost`` of the request on ``worker``."""
+        return self.ttft[worker] + behind * self.own[worker]
+
+
 class LoadModel:
     """Per-worker work and learned speed; see the module docstring."""
 
@@ -319,6 +340,11 @@ class LoadModel:
         if st is None:
             return 0.0
         intercept, slope = self.line(st)
+        return self._ahead(worker, st, intercept, slope, size_hint)
+
+    def _ahead(
+        self, worker: str, st: WorkerWork, intercept: float, slope: float, size_hint: int
+    ) -> float:
         work = float(st.prefill_tokens)
         count = float(len(st.pending))
         if st.pending:  # the oldest is probably being prefilled: half done
@@ -330,14 +356,15 @@ class LoadModel:
             others = e.waiting - e.own_pending - e.peer_pending
             work += others * self.mean_uncached
             count += others
-        peers = self.peer.get(worker, 0)
         if self.peer_pending is not None:  # shared: their queued prefill exactly
             work += self.peer_prefill.get(worker, 0)
             count += self.peer_pending.get(worker, 0)
-        elif peers:
-            # Their size is not shared: the larger of our running mean and this one.
-            work += peers * max(self.mean_uncached, size_hint)
-            count += peers
+        else:
+            peers = self.peer.get(worker, 0)
+            if peers:
+                # Their size is not shared: the larger of our running mean and this one.
+                work += peers * max(self.mean_uncached, size_hint)
+                count += peers
         return count * intercept + work * slope
 
     def _capacity(self, worker: str, st: WorkerWork) -> int | None:
@@ -352,6 +379,9 @@ class LoadModel:
         st = self.workers.get(worker)
         if st is None:
             return 0.0
+        return self._slot_wait(worker, st)
+
+    def _slot_wait(self, worker: str, st: WorkerWork) -> float:
         cap = self._capacity(worker, st)
         if cap is None or cap < 1:
             return 0.0
@@ -371,10 +401,11 @@ class LoadModel:
         st = self.workers.get(worker)
         if st is None:
             return PRIOR_OVERHEAD_S + max(0, uncached) / PRIOR_PREFILL_TPS
+        intercept, slope = self.line(st)
         return (
-            self.ahead(worker, max(0, uncached))
-            + self.own_prefill(worker, uncached, matched)
-            + self.slot_wait(worker)
+            self._ahead(worker, st, intercept, slope, max(0, uncached))
+            + _own(st, intercept, slope, uncached, matched)
+            + self._slot_wait(worker, st)
         )
 
     def own_prefill(self, worker: str, uncached: int, matched: int = 0) -> float:
@@ -383,8 +414,7 @@ class LoadModel:
         if st is None:
             return PRIOR_OVERHEAD_S + max(0, uncached) / PRIOR_PREFILL_TPS
         intercept, slope = self.line(st)
-        expect = max(0, uncached) + (1.0 - st.trust) * max(0, matched)
-        return intercept + expect * slope
+        return _own(st, intercept, slope, uncached, matched)
 
     def cost(self, worker: str, tokens: int, matched: int, behind: float) -> float:
         """What routing a ``tokens``-long request to ``worker`` (which holds ``matched``
@@ -395,6 +425,39 @@ class LoadModel:
         return self.ttft(worker, uncached, matched) + behind * self.own_prefill(
             worker, uncached, matched
         )
+
+    def predict(
+        self, workers: Iterable[str], tokens: int, matches: Mapping[str, int]
+    ) -> Predictions:
+        """One request's ``ttft`` and ``own_prefill`` on each of ``workers`` (its
+        ``tokens`` of which ``matches`` says each worker holds how many), computed once
+        per decision: the same numbers as calling ``ttft``, ``own_prefill`` and
+        ``cost`` worker by worker."""
+        ttft: dict[str, float] = {}
+        own: dict[str, float] = {}
+        known = self.workers
+        fleet = self.fleet_line
+        # No capacity known for any worker (none fixed, learned or read): no slot wait.
+        no_caps = self.fixed_capacity is None and not self.capacities
+        for w in workers:
+            matched = matches.get(w, 0)
+            uncached = tokens - matched
+            st = known.get(w)
+            if st is None:
+                ttft[w] = own[w] = PRIOR_OVERHEAD_S + max(0, uncached) / PRIOR_PREFILL_TPS
+                continue
+            # ``line`` and ``_own`` inlined: this runs for every worker at every decision.
+            p = st.prefill
+            if fleet is None or p.samples >= MIN_SAMPLES:
+                intercept, slope = p.intercept, p.slope
+            else:
+                intercept, slope = fleet
+            if uncached < 0:
+                uncached = 0
+            o = own[w] = intercept + (uncached + (1.0 - st.trust) * max(0, matched)) * slope
+            slot = 0.0 if no_caps and st.engine is None else self._slot_wait(w, st)
+            ttft[w] = self._ahead(w, st, intercept, slope, uncached) + o + slot
+        return Predictions(ttft, own)
 
     def queued_per_worker(self, workers: Iterable[str]) -> float:
         """Mean number of requests waiting for their first byte per worker of ``workers``

@@ -74,10 +74,8 @@ class MinTtft(Policy):
         matches = self.index.match(tokens) if n else {}
         work = self.work
         behind = work.queued_per_worker(loads)
-        scored = []
-        for w in loads:
-            m = matches.get(w, 0)
-            scored.append((work.cost(w, n, m, behind), -m, w))
+        pred = work.predict(loads, n, matches)
+        scored = [(pred.cost(w, behind), -matches.get(w, 0), w) for w in loads]
         if self.temperature > 0 and len(scored) > 1:
             worker = self._sample(scored)
         else:
