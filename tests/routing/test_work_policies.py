@@ -51,7 +51,7 @@ def test_min_ttft_ties_go_to_a_long_match_then_fewer_requests() -> None:
     prompt = tokens(3, 1000)
     pol.index.insert("c", prompt[:4])  # type: ignore[attr-defined]
     d = pol.select(RouteRequest(prompt), loads)  # type: ignore[attr-defined]
-    assert d.worker == "b"
+    assert (d.worker, d.reason) == ("b", "cache_miss")  # no overflow: nothing was given up
     # A long one does.
     prompt = tokens(4, 1000)
     pol.index.insert("c", prompt[:600])  # type: ignore[attr-defined]
