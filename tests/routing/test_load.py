@@ -183,6 +183,51 @@ def test_prefill_is_learned_from_what_the_engine_reports_it_had_cached() -> None
     assert m.prefill_rate("w") == pytest.approx(10_000, rel=0.01)
 
 
+def reuse(m: LoadModel, worker: str, n: int, predicted: int, real: int, at: float) -> None:
+    """One request of ``n`` tokens whose engine reported ``real`` cached tokens where the
+    index predicted ``predicted``."""
+    t = m.reserve(worker, n - predicted, 10, now=at, matched=predicted)
+    t.reported_uncached = n - real
+    t.end(at + 1.0)
+
+
+def test_index_trust_is_not_worn_down_by_short_matches_no_engine_caches() -> None:
+    """Most prompts share a few leading tokens with something routed before (a template's
+    opening, a common first word); the index reports them matched, but an engine caches
+    whole blocks (here 16 tokens), so it reports none of them cached. They say nothing
+    about the index: the long matches it predicted were all there."""
+    m = LoadModel()
+    for i in range(200):
+        if i % 8 == 0:  # a real hit: 12,000 tokens predicted, 749 blocks of 16 cached
+            reuse(m, "w", 12_500, 12_000, 11_984, at=float(i))
+        elif i % 8 == 4:  # 9,000 predicted, 562 blocks
+            reuse(m, "w", 9_500, 9_000, 8_992, at=float(i))
+        else:  # a miss that happened to share its first 3 tokens
+            reuse(m, "w", 8_000, 3, 0, at=float(i))
+    assert m.workers["w"].trust > 0.99
+    assert m.workers["w"].grain == 16
+    assert m.own_prefill("w", 500, 12_000) == pytest.approx(m.own_prefill("w", 500), rel=0.05)
+    # A worker that has reported nothing yet is checked in the fleet's unit.
+    for i in range(50):
+        reuse(m, "new", 8_000, 10, 0, at=300.0 + i)
+    assert m.workers["new"].trust == 1.0
+
+
+def test_index_trust_falls_where_long_predicted_matches_were_evicted() -> None:
+    m = LoadModel()
+    for i in range(60):
+        reuse(m, "w", 12_500, 12_000, 0, at=float(i))  # the engine had evicted them
+    assert m.workers["w"].trust < 0.1
+    assert m.own_prefill("w", 500, 12_000) > 0.9 * m.own_prefill("w", 12_500)
+    for i in range(60, 120):  # and recovers once the matches are real again
+        reuse(m, "w", 12_500, 12_000, 11_984, at=float(i))
+    assert m.workers["w"].trust > 0.9
+    # Half of a 4,000-token match evicted: trust goes to one half.
+    for i in range(120, 300):
+        reuse(m, "w", 4_500, 4_000, 2_000, at=float(i))
+    assert m.workers["w"].trust == pytest.approx(0.5, abs=0.01)
+
+
 def test_max_tokens_of_request_bodies() -> None:
     assert max_tokens_of({"max_tokens": 40}) == 40
     assert max_tokens_of({"max_completion_tokens": 7, "max_tokens": 40}) == 7

@@ -3,6 +3,7 @@ docstring (``kvroute.routing.load``)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from statistics import median
@@ -48,10 +49,31 @@ class WorkerWork:
     # Share of the cached tokens the index predicts that the engine really had (from
     # usage.cached_tokens); a stale index (evictions it did not see) earns less trust.
     trust: float = 1.0
+    # The engine's cache unit in tokens, learned: the greatest common divisor of the
+    # cached counts it reported (0: none reported yet). See ``observe_reuse``.
+    grain: int = 0
     # When the last of our first bytes came back (None: unknown, or not a prefill's end),
     # and whose (ticket ids grow in routing order).
     last_first: float | None = None
     last_first_id: int = 0
+
+    def observe_reuse(self, predicted: int, reported: int, prompt: int, fleet_grain: int) -> None:
+        """One request's engine reported ``reported`` cached tokens of a ``prompt``-token
+        prompt where the index predicted ``predicted``. Trust moves towards the share of
+        the predicted tokens the engine *could* report that it did: engines cache whole
+        blocks (vLLM 16 tokens, its CPU build 128) and never the prompt's last token, so
+        only the predicted match rounded down to whole blocks (of this worker's learned
+        unit, else the fleet's, else 1) is checked. A match of a few tokens is no
+        evidence either way: prompts often share their first tokens with one routed
+        before (a template's opening, text by chance), which no engine reports cached,
+        and counted as failures they took trust to the share of requests that were real
+        hits (so every long match, predicted right, was taken for mostly cold)."""
+        if reported > 0:
+            self.grain = math.gcd(self.grain, reported)
+        unit = self.grain or fleet_grain or 1
+        checked = min(predicted, prompt - 1) // unit * unit
+        if checked > 0:
+            self.trust += TRUST_EWMA * (min(checked, reported) / checked - self.trust)
 
 
 class Ticket:
@@ -179,8 +201,11 @@ class Ticket:
             st.prefill.observe(x, self.sample)
             self._model.relearn_fleet()
         if self.reported_uncached is not None and self.predicted_cached > 0:
-            real = min(self.predicted_cached, max(0, self.prompt_tokens - self.reported_uncached))
-            st.trust += TRUST_EWMA * (real / self.predicted_cached - st.trust)
+            reported = max(0, self.prompt_tokens - self.reported_uncached)
+            model = self._model
+            if reported > 0:
+                model.grain = math.gcd(model.grain, reported)
+            st.observe_reuse(self.predicted_cached, reported, self.prompt_tokens, model.grain)
         if output_tokens is not None and output_tokens > 0:
             self._model.observe_output(output_tokens)
             if self.first_at is not None and output_tokens > 1:
@@ -228,6 +253,9 @@ class LoadModel:
         self.peer_pending: Mapping[str, int] | None = None
         self.peer_prefill: Mapping[str, int] = {}
         self.mean_output = PRIOR_OUTPUT_TOKENS
+        # The fleet's cache unit (``WorkerWork.grain`` over every worker): what a worker
+        # that has reported no cached tokens yet is assumed to cache in.
+        self.grain = 0
         self.mean_uncached = 0.0
         # (intercept, slope) of the fleet's typical worker: the median of the learned
         # lines; what a worker without samples of its own is assumed to do (None: prior).
