@@ -8,9 +8,18 @@ so the count is the handler's own work (Python, C extensions; user space), stead
 enough to tell a change of a few thousand instructions per request apart on a shared
 machine where CPU time moves by ±15%. Without it, CPU time per request is printed.
 
+``--interleave P1,P2,...`` (kvroute policies): CPU time of several apps built in
+this one process, run in alternating batches of ``--requests`` for ``--rounds`` rounds,
+so a busy machine slows them alike; the median and best round of each are printed.
+
 Usage:
     .venv/bin/python bench/handler_instructions.py --target kvroute --policy round_robin
     .venv/bin/python bench/handler_instructions.py --target floor --instructions
+    .venv/bin/python bench/handler_instructions.py --interleave cache_aware,round_robin
+
+The kvroute imported is this checkout's (``router_overhead`` puts its ``python/`` first);
+to measure another build, run a copy of ``bench/`` placed outside any checkout with that
+build's interpreter.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import argparse
 import asyncio
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -124,6 +134,25 @@ async def _run(app: Any, n: int, count: bool) -> float:
     return cpu / n
 
 
+async def _interleaved(apps: dict[str, Any], batch: int, rounds: int) -> dict[str, list[float]]:
+    bodies = [ro.request_body(1, i) for i in range(64)]
+    sent: list[dict[str, Any]] = []
+    for app in apps.values():
+        await _startup(app)
+        for i in range(200):  # warm: connections, caches, the index
+            await _one(app, bodies[i % 64], sent)
+    cpu: dict[str, list[float]] = {name: [] for name in apps}
+    for _ in range(rounds):
+        for name, app in apps.items():
+            sent.clear()
+            t0 = time.process_time()
+            for i in range(batch):
+                await _one(app, bodies[i % 64], sent)
+            cpu[name].append((time.process_time() - t0) / batch)
+            assert {m["status"] for m in sent if m["type"] == "http.response.start"} == {200}
+    return cpu
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--target", choices=("kvroute", "floor"), default="kvroute")
@@ -131,6 +160,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=500)
     ap.add_argument("--instructions", action="store_true", help="count under callgrind")
     ap.add_argument("--counting", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--interleave", help="kvroute policies, comma-separated: CPU of each")
+    ap.add_argument("--rounds", type=int, default=10, help="with --interleave")
     args = ap.parse_args()
     if args.instructions and not args.counting:
         if shutil.which("valgrind") is None:
@@ -161,7 +192,18 @@ def main() -> int:
             port = free_port()
             argv = [sys.executable, str(HERE / "router_overhead.py"), "--serve-worker", str(port)]
             workers.append(start_server(f"worker-{port}", argv, port, log_dir=log_dir))
-        app = _app(args.target, [w.url for w in workers], args.policy)
+        urls = [w.url for w in workers]
+        if args.interleave:
+            names = args.interleave.split(",")
+            apps = {n: _app("kvroute", urls, n) for n in names}
+            cpu = uvloop.run(_interleaved(apps, args.requests, args.rounds))
+            for name, times in cpu.items():
+                print(
+                    f"{name}: {statistics.median(times) * 1e6:.1f} µs CPU per request, median of "
+                    f"{args.rounds} rounds (best {min(times) * 1e6:.1f}; in process, interleaved)"
+                )
+            return 0
+        app = _app(args.target, urls, args.policy)
         per = uvloop.run(_run(app, args.requests, args.counting))
     finally:
         for w in workers:

@@ -12,13 +12,13 @@
 3. Per request as a router sees it, with the same redis-server: each request's decision
    (match, insert, work reserved), then its first byte, then its end, ``--concurrency``
    requests changing in one event-loop turn (1: one at a time, every change published
-   by itself; 16: as under load) and the loop idling in between. Without a store (token
-   index; digest index), with the store as it publishes now, the same with its reading
-   task idle (publishing alone), and with ``--before-store`` an earlier version of the
-   store (the same requests, same process: a before/after from one run); per
-   reply parser (``--parser``: redis-py's pure-Python one or hiredis). All interleaved
-   in one run (``--rounds``) so the shared machine's noise hits them alike. uvloop by
-   default, as ``kvroute serve`` runs.
+   by itself; 16: as under load) and the loop idling in between (``--gap-ms``).
+   Without a store (token index; digest index), with the store as it publishes now,
+   the same with its reading task idle (publishing alone), and with ``--before-store``
+   an earlier version of the store (the same requests, same process: a before/after
+   from one run); per reply parser (``--parser``: redis-py's pure-Python one or
+   hiredis). All interleaved in one run (``--rounds``) so the shared machine's noise
+   hits them alike. uvloop by default, as ``kvroute serve`` runs.
 
 Usage:
     python bench/shared_state_overhead.py --tokens 2000,8000 --n 1000
@@ -84,16 +84,47 @@ class Unread(StateStore):
 KINDS.update(store=StateStore, unread=Unread)
 
 
-def load_before(path: str) -> None:
-    """``--before-store``: an earlier ``fleet/shared/store.py`` (e.g. ``git show
-    a7687a3:python/kvroute/fleet/shared/store.py``), run as mode ``before`` in the same
-    process against today's other modules, for a before/after in one run."""
+def load_before(spec: str) -> None:
+    """``--before-store``: an earlier store, run as mode ``before`` in the same process,
+    for a before/after in one run. Either ``git:REF``, the whole ``fleet/shared``
+    package at that commit (imported under another name, beside today's), or a path to
+    an earlier ``fleet/shared/store.py`` alone (e.g. ``git show
+    a7687a3:python/kvroute/fleet/shared/store.py``), run against today's other modules."""
+    import importlib
     import importlib.util
+    import subprocess
+    import tempfile
 
-    spec = importlib.util.spec_from_file_location("kvroute.fleet.shared._before", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    if spec.startswith("git:"):
+        ref, root = spec[4:], Path(__file__).resolve().parents[1]
+        folder = "python/kvroute/fleet/shared/"
+        names = subprocess.run(
+            ["git", "ls-tree", "--name-only", ref, folder],
+            cwd=root,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.split()
+        where = Path(tempfile.mkdtemp()) / "kvroute_shared_before"
+        where.mkdir()
+        for name in names:
+            text = subprocess.run(
+                ["git", "show", f"{ref}:{name}"],
+                cwd=root,
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+            where.joinpath(Path(name).name).write_text(
+                text.replace("kvroute.fleet.shared", "kvroute_shared_before")
+            )
+        sys.path.insert(0, str(where.parent))
+        KINDS["before"] = importlib.import_module("kvroute_shared_before.store").StateStore
+        return
+    loaded = importlib.util.spec_from_file_location("kvroute.fleet.shared._before", spec)
+    assert loaded is not None and loaded.loader is not None
+    module = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(module)
     KINDS["before"] = module.StateStore
 
 
@@ -124,14 +155,24 @@ def make_store(
 
 
 async def requests(
-    url: str, tokens: int, n: int, *, mode: str, concurrency: int, parser: str = "hiredis"
+    url: str,
+    tokens: int,
+    n: int,
+    *,
+    mode: str,
+    concurrency: int,
+    parser: str = "hiredis",
+    gap: float = 0.0005,
 ) -> float:
     """CPU µs per request, publishing included, as a router sees requests: each one's
     decision (match, insert, work reserved), then its first byte, then its end;
     ``concurrency`` requests change in one event-loop turn (1: one at a time, every
     change published alone; more: as under load, changes of many requests together).
-    Between turns the loop idles (a short real sleep) until the store has written
-    what was queued, so nothing coalesces by accident. ``mode``: ``token`` (no store:
+    Between turns the loop sleeps ``gap`` seconds, then until the store has written
+    what was queued, so nothing coalesces by accident (uvloop's timers count whole
+    milliseconds: a gap under 1 ms, the default 0.5, returns at the loop's next turn,
+    while Redis may still be busy with the last write; ``--gap-ms 1`` or more leaves
+    Redis idle between writes, as requests seconds apart do). ``mode``: ``token`` (no store:
     the token-keyed index), ``digest`` (no store: the digest index a store uses),
     ``store`` (decisions and load shared through Redis), ``unread`` (the same, the
     reading task idle: publishing alone), ``before`` (``--before-store``)."""
@@ -153,7 +194,7 @@ async def requests(
             await asyncio.sleep(0.05)
 
     async def idle() -> None:
-        await asyncio.sleep(0.0005)
+        await asyncio.sleep(gap)
         while store is not None and (store._buf or store.shared_load.dirty):  # type: ignore[union-attr]  # noqa: ASYNC110
             await asyncio.sleep(0.0005)
 
@@ -254,7 +295,15 @@ def main() -> int:
     ap.add_argument(
         "--before-store",
         default="",
-        help="an earlier fleet/shared/store.py to measure in the same run (column 'before')",
+        help="an earlier store to measure in the same run (column 'before'): git:REF (the "
+        "fleet/shared package at REF) or the path of an earlier fleet/shared/store.py",
+    )
+    ap.add_argument(
+        "--gap-ms",
+        type=float,
+        default=0.5,
+        help="sleep between a request's changes in the third table (under 1 ms: none with "
+        "uvloop; 1 or more: Redis idles between writes)",
     )
     ap.add_argument("--skip-background", action="store_true", help="only the third table")
     args = ap.parse_args()
@@ -311,7 +360,13 @@ def main() -> int:
                                 with redis.client() as cl:
                                     cl.flushdb()
                                 coro = requests(
-                                    redis.url, t, args.n, mode=mode, concurrency=c, parser=parser
+                                    redis.url,
+                                    t,
+                                    args.n,
+                                    mode=mode,
+                                    concurrency=c,
+                                    parser=parser,
+                                    gap=args.gap_ms / 1000,
                                 )
                                 sums[mode] += run(coro) / args.rounds
                         tok, dig, sto, unr = (

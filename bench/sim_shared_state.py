@@ -97,18 +97,48 @@ def _diagnose() -> None:
         self: RouterTier, r: int, request: RouteRequest, now: float = 0.0, out: int = 1
     ) -> str:
         unseen: set[str] = set()
+        reserved: set[str] = set()  # workers a request was reserved on, unseen yet
         if self.shared:
             self._sync(now)
             k = self._next
-            unseen = {w for _, j, w, _ in self._work_wire if j != k}
+            for _, j, w, load in self._work_wire:
+                if j != k:
+                    unseen.add(w)
+                    if load[0] > self._heard[k].get((j, w), (0, 0, 0))[0]:
+                        reserved.add(w)
         worker = route(self, r, request, now, out)
         if unseen:
             DIAG["load change unseen"] += 1
             DIAG["... onto that worker"] += worker in unseen
+        if reserved:
+            DIAG["reservation unseen"] += 1
+            DIAG["... onto its worker"] += worker in reserved
         return worker
 
     CacheAware.select = tallied  # type: ignore[method-assign]
     RouterTier.route = watched  # type: ignore[method-assign]
+
+
+def _release_delay(seconds: float) -> None:
+    """``--release-delay-ms``: a replica's load changes that free a worker (a first
+    byte, an end) reach the others after ``seconds`` instead of the store's delay;
+    reservations keep it (which of the two the tail is sensitive to)."""
+    import bisect
+
+    def publisher(self: RouterTier, k: int) -> Any:
+        last: dict[str, tuple[int, int, int]] = {}
+
+        def publish(worker: str) -> None:
+            st = self.work[k].state(worker)
+            load = (st.requests, len(st.pending), st.prefill_tokens)
+            grew = load[0] > last.get(worker, (0, 0, 0))[0]
+            last[worker] = load
+            at = self._now + (self.store_delay_s if grew else seconds)
+            bisect.insort(self._work_wire, (at, k, worker, load), key=lambda e: e[0])
+
+        return publish
+
+    RouterTier._work_publisher = publisher  # type: ignore[method-assign]
 
 
 def main() -> int:
@@ -137,8 +167,17 @@ def main() -> int:
         help="after each row: decisions by reason, and decisions made while another "
         "replica's load change was still on its way",
     )
+    ap.add_argument(
+        "--release-delay-ms",
+        type=float,
+        default=None,
+        help="load changes that free a worker (first bytes, ends) reach the other replicas "
+        "after this delay instead of --store-delay-ms (reservations keep it)",
+    )
     args = ap.parse_args()
     _timed_apply()
+    if args.release_delay_ms is not None:
+        _release_delay(args.release_delay_ms / 1000)
     if args.diagnose:
         _diagnose()
     for name in args.workloads.split(","):

@@ -28,6 +28,10 @@ study's prefill-bound GSP shape: 3,000 prefill tokens/s, 32 output tokens; the s
 worker: heavy cache pressure, where the approximate index believes in evicted prefixes).
 
     python bench/work_aware.py --out bench/results/work_aware.json
+
+``--as-text``: every prompt becomes what ``bench/routing_quality.py`` sends and a router
+without a tokenizer routes on, one printable ASCII byte per token (94 values), so
+unrelated prompts share a few leading tokens by chance, as they do over HTTP.
 """
 
 from __future__ import annotations
@@ -37,13 +41,14 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
+from kvroute.eval.loadgen import tokens_to_text
 from kvroute.sim import workloads as wl
 from kvroute.sim.bounds import capacity_ceiling, ttft_floor
 from kvroute.sim.cost import CostModel
@@ -117,6 +122,15 @@ def scenarios(trace: str | None) -> list[Scenario]:
         out.append(
             Scenario("mooncake_200k", lambda: wl.mooncake(trace), FleetConfig(workers=8, **base))  # type: ignore[arg-type]
         )
+    return out
+
+
+def as_text(requests: list[wl.Request]) -> list[wl.Request]:
+    """The prompts as the HTTP benchmark sends them (``--as-text``, module doc)."""
+    out = []
+    for r in requests:
+        text = tokens_to_text(cast(Sequence[int], r.tokens))
+        out.append(replace(r, tokens=np.frombuffer(text.encode(), np.uint8).astype(np.uint32)))
     return out
 
 
@@ -232,6 +246,11 @@ def main() -> int:
     )
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     p.add_argument(
+        "--as-text",
+        action="store_true",
+        help="prompts as routing_quality.py sends them: one ASCII byte per token",
+    )
+    p.add_argument(
         "--bounds-only",
         action="store_true",
         help="only the bounds (kvroute.sim.bounds), no routing; with --against, compared "
@@ -246,7 +265,8 @@ def main() -> int:
         if chosen is not None and sc.name not in chosen:
             continue
         t0 = time.perf_counter()
-        prep = prepare(sc.build(), sc.cfg.block_size)
+        reqs = sc.build()
+        prep = prepare(as_text(reqs) if args.as_text else reqs, sc.cfg.block_size)
         bound = upper_bound(prep)
         bnd = bounds(sc, prep, args.slo, not args.no_sweep)
         if args.bounds_only:

@@ -1,15 +1,25 @@
 """Type stubs for the Rust extension ``kvroute._native``."""
 
-from array import array
+import array
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TypeAlias, final
 
 from typing_extensions import Buffer
 
-_Tokens: TypeAlias = Iterable[int] | Buffer
+@final
+class TokenIds:
+    """A prompt's token IDs as ``PrefixIndex.lookup`` converted them (immutable): pass it
+    wherever tokens are taken (the decision's ``insert``) to skip converting and copying
+    the prompt again. It also keeps the lookup's walk: an ``insert`` into the same index,
+    unchanged since, starts below the nodes the tokens matched whole (same result)."""
+
+    def __len__(self) -> int: ...
+
+_Tokens: TypeAlias = Iterable[int] | Buffer | TokenIds
 """Token IDs: a list/tuple/iterable of ints in [0, 2**32), or a 1-D buffer of uint32
 (``array.array('I')``, ``numpy.ndarray`` of ``uint32``) which crosses without per-element
-conversion."""
+conversion; ``bytes``/``bytearray`` are one token per byte (widened in one native pass);
+a ``TokenIds`` from ``lookup`` is read as it is."""
 
 @final
 class PrefixIndex:
@@ -53,6 +63,12 @@ class PrefixIndex:
 
     def match(self, tokens: _Tokens) -> dict[str, int]:
         """Matched prefix length per worker, for every worker holding at least one token."""
+
+    def lookup(self, tokens: _Tokens) -> tuple[dict[str, int], int, list[str], TokenIds]:
+        """``(match(tokens), *longest_match(tokens), ids)`` from one walk of the tree and
+        one crossing of the tokens: what a routing decision reads (the same answers, in
+        the same order, as the two calls), and ``ids``, the tokens as converted, for the
+        decision's ``insert``."""
 
     def longest_match(self, tokens: _Tokens) -> tuple[int, list[str]]:
         """The longest prefix of ``tokens`` any worker holds, and all workers holding it.
@@ -149,6 +165,11 @@ class BlockIndex:
     def distinct_blocks(self) -> int:
         """Distinct blocks over the whole fleet."""
 
+def utf8_token_ids(text: str) -> array.array[int]:
+    """One token ID per byte of ``text`` encoded in UTF-8 (lone surrogates as
+    ``surrogatepass`` encodes them): the no-tokenizer mode's prompt, as an
+    ``array.array('I')``, built in one native pass."""
+
 # Exact byte-level BPE (rust/src/bpe/; built and checked by kvroute.routing.native_bpe).
 
 @final
@@ -175,7 +196,7 @@ class BpeEncoder:
         byte has no token.
         """
 
-    def encode(self, text: str) -> array[int] | None:
+    def encode(self, text: str) -> array.array[int] | None:
         """The token IDs of ``text`` (normalized, special tokens split out) as an
         ``array('I')``, or None when ``text`` holds a refused code point or a lone
         surrogate (encode it the reference way)."""
@@ -197,4 +218,12 @@ def bpe_char_classes(text: str) -> bytes:
     letter (``\\p{L}``), 2 number (``\\p{N}``), 4 whitespace (``\\s``), 8 mark, 16
     punctuation, 32 symbol."""
 
-__all__ = ["BlockIndex", "BpeEncoder", "PrefixIndex", "UnknownParentError", "bpe_char_classes"]
+__all__ = [
+    "BlockIndex",
+    "BpeEncoder",
+    "PrefixIndex",
+    "TokenIds",
+    "UnknownParentError",
+    "bpe_char_classes",
+    "utf8_token_ids",
+]

@@ -12,7 +12,7 @@ pub mod tree;
 mod python;
 
 pub use blocks::{BlockIndex, EventError};
-pub use tree::{IndexStats, PrefixIndex};
+pub use tree::{IndexStats, Lookup, PrefixIndex, Walk};
 
 // Exact byte-level BPE (tokenization for routing); kept apart from the index modules.
 pub mod bpe;

@@ -2,36 +2,100 @@
 //!
 //! Tokens arrive as any object exporting a 1-D buffer of u32 (`array.array('I')`, a NumPy
 //! `uint32` array): one memcpy, no per-element conversion. Any other iterable of ints is
-//! converted element by element with a range check. Conversion happens before the index
-//! is touched, so a bad argument never leaves the index half-changed.
+//! converted element by element with a range check, except `bytes` and `bytearray`: one
+//! token per byte (the no-tokenizer mode's UTF-8 prompt), widened here in one pass.
+//! Conversion happens before the index is touched, so a bad argument never leaves the
+//! index half-changed.
 
 use crate::blocks::{BlockIndex, EventError};
-use crate::tree::PrefixIndex;
+use crate::tree::{PrefixIndex, Walk};
 use parking_lot::{Mutex, RwLock};
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyString, PyTuple};
 use std::sync::Arc;
 
-/// Convert a Python token container into owned u32s.
-fn extract_tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+/// Token IDs as the index reads them: converted from a Python container, or shared
+/// with a `TokenIds` handle (converted by an earlier call, never copied again).
+enum Tokens {
+    Owned(Vec<u32>),
+    Shared(Arc<Vec<u32>>),
+}
+
+impl std::ops::Deref for Tokens {
+    type Target = [u32];
+    fn deref(&self) -> &[u32] {
+        match self {
+            Tokens::Owned(v) => v,
+            Tokens::Shared(v) => v,
+        }
+    }
+}
+
+impl Tokens {
+    /// Shareable without a copy (the Vec moves behind the Arc).
+    fn into_shared(self) -> Arc<Vec<u32>> {
+        match self {
+            Tokens::Owned(v) => Arc::new(v),
+            Tokens::Shared(v) => v,
+        }
+    }
+}
+
+/// A prompt's token IDs as `PrefixIndex.lookup` converted them, handed back so that the
+/// same decision's `insert` (or any call taking tokens) reads them without converting
+/// or copying them again, nor (an insert into the same, unchanged index) walking again
+/// the nodes they matched whole. Immutable.
+#[pyclass(name = "TokenIds", module = "kvroute._native", frozen)]
+pub struct PyTokenIds {
+    ids: Arc<Vec<u32>>,
+    /// The lookup's walk: an insert of these tokens into the same, unchanged index
+    /// resumes below it (`PrefixIndex::insert_after`).
+    walk: Walk,
+}
+
+#[pymethods]
+impl PyTokenIds {
+    fn __len__(&self) -> usize {
+        self.ids.len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("TokenIds(<{} tokens>)", self.ids.len())
+    }
+}
+
+/// Convert a Python token container into u32s.
+fn extract_tokens(obj: &Bound<'_, PyAny>) -> PyResult<Tokens> {
+    if let Ok(t) = obj.downcast::<PyTokenIds>() {
+        return Ok(Tokens::Shared(Arc::clone(&t.get().ids)));
+    }
+    extract_owned(obj).map(Tokens::Owned)
+}
+
+fn extract_owned(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     if obj.is_instance_of::<PyString>() {
         return Err(PyTypeError::new_err(
             "tokens must be a sequence of int token IDs or a uint32 buffer, not str \
              (tokenize the text first)",
         ));
     }
-    if !obj.is_instance_of::<PyBytes>() && !obj.is_instance_of::<PyByteArray>() {
-        if let Ok(buf) = PyBuffer::<u32>::get(obj) {
-            if buf.dimensions() != 1 {
-                return Err(PyValueError::new_err(format!(
-                    "token buffer must be 1-dimensional, got {} dimensions",
-                    buf.dimensions()
-                )));
-            }
-            return buf.to_vec(obj.py());
+    if let Ok(b) = obj.downcast::<PyBytes>() {
+        return Ok(b.as_bytes().iter().map(|&x| u32::from(x)).collect());
+    }
+    if let Ok(b) = obj.downcast::<PyByteArray>() {
+        return Ok(b.to_vec().into_iter().map(u32::from).collect());
+    }
+    if let Ok(buf) = PyBuffer::<u32>::get(obj) {
+        if buf.dimensions() != 1 {
+            return Err(PyValueError::new_err(format!(
+                "token buffer must be 1-dimensional, got {} dimensions",
+                buf.dimensions()
+            )));
         }
+        return buf.to_vec(obj.py());
     }
     if let Ok(list) = obj.downcast::<PyList>() {
         let mut out = Vec::with_capacity(list.len());
@@ -94,6 +158,10 @@ pub struct PyPrefixIndex {
 }
 
 type NameEntry = (Arc<str>, Py<PyString>);
+/// (worker id, its name handle, matched length): a match answer before the GIL is back.
+type Named = Vec<(u32, Arc<str>, u32)>;
+/// `lookup`'s answer: per-worker matches, longest match, its holders, the tokens.
+type LookupAnswer<'py> = (Bound<'py, PyDict>, u32, Vec<Py<PyString>>, Py<PyTokenIds>);
 
 impl PyPrefixIndex {
     fn py_name(&self, py: Python<'_>, id: u32, handle: &Arc<str>) -> Py<PyString> {
@@ -159,6 +227,16 @@ impl PyPrefixIndex {
     /// Record that `worker` holds `tokens`; returns how many leading tokens it held
     /// before. Evicts over budget.
     fn insert(&self, py: Python<'_>, worker: &str, tokens: &Bound<'_, PyAny>) -> PyResult<u64> {
+        if let Ok(t) = tokens.downcast::<PyTokenIds>() {
+            let t = t.get();
+            let (ids, walk) = (Arc::clone(&t.ids), &t.walk);
+            return Ok(py.detach(|| {
+                self.inner
+                    .write()
+                    .insert_after(worker, &ids, walk)
+                    .held_before
+            }));
+        }
         let tokens = extract_tokens(tokens)?;
         Ok(py.detach(|| self.inner.write().insert(worker, &tokens).held_before))
     }
@@ -184,7 +262,7 @@ impl PyPrefixIndex {
         tokens: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let tokens = extract_tokens(tokens)?;
-        let out: Vec<(u32, Arc<str>, u32)> = py.detach(|| {
+        let out: Named = py.detach(|| {
             let g = self.inner.read();
             g.match_all_ids(&tokens)
                 .into_iter()
@@ -196,6 +274,39 @@ impl PyPrefixIndex {
             d.set_item(self.py_name(py, id, &handle), len)?;
         }
         Ok(d)
+    }
+
+    /// What a routing decision reads, from one walk: (matched length per worker,
+    /// longest matched length, workers holding that length), as `match` and
+    /// `longest_match` answer them, and the tokens as converted (`TokenIds`, for the
+    /// decision's `insert`).
+    fn lookup<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: &Bound<'py, PyAny>,
+    ) -> PyResult<LookupAnswer<'py>> {
+        let tokens = extract_tokens(tokens)?.into_shared();
+        let (out, longest, holders, walk): (Named, u32, usize, Walk) = py.detach(|| {
+            let g = self.inner.read();
+            let found = g.lookup_ids(&tokens);
+            let out = found
+                .matches
+                .into_iter()
+                .map(|(id, len)| (id, g.name_handle(id), len))
+                .collect();
+            (out, found.longest, found.holders, found.walk)
+        });
+        let d = PyDict::new(py);
+        let mut names = Vec::with_capacity(holders);
+        for (i, (id, handle, len)) in out.into_iter().enumerate() {
+            let name = self.py_name(py, id, &handle);
+            if i < holders {
+                names.push(name.clone_ref(py));
+            }
+            d.set_item(name, len)?;
+        }
+        let ids = PyTokenIds { ids: tokens, walk };
+        Ok((d, longest, names, Py::new(py, ids)?))
     }
 
     /// (longest matched length, workers holding that length).
@@ -307,6 +418,47 @@ impl PyPrefixIndex {
                 .map_or_else(|| "None".to_string(), |b| b.to_string())
         )
     }
+}
+
+/// `array.array('I', [0])`, repeated to size the arrays `utf8_token_ids` fills.
+static ONE_ZERO_ID: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+
+/// The no-tokenizer mode's token IDs: one per byte of `text` in UTF-8 (lone surrogates
+/// as Python's `surrogatepass` encodes them), as an `array.array('I')`. One pass from
+/// the str's own UTF-8 into the array: no intermediate bytes or NumPy arrays.
+#[pyfunction]
+fn utf8_token_ids<'py>(
+    py: Python<'py>,
+    text: &Bound<'py, PyString>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let encoded;
+    let utf8: &[u8] = match text.to_str() {
+        Ok(s) => s.as_bytes(),
+        Err(_) => {
+            // Lone surrogates: no UTF-8 of its own; Python encodes them.
+            encoded = text
+                .call_method1("encode", ("utf-8", "surrogatepass"))?
+                .downcast_into::<PyBytes>()?;
+            encoded.as_bytes()
+        }
+    };
+    let one = ONE_ZERO_ID.get_or_try_init(py, || -> PyResult<Py<PyAny>> {
+        let array = py.import("array")?.getattr("array")?;
+        Ok(array.call1(("I", vec![0u32]))?.unbind())
+    })?;
+    let ids = one.bind(py).mul(utf8.len())?;
+    if utf8.is_empty() {
+        return Ok(ids); // no storage to fill (nor an aligned pointer to it)
+    }
+    let buf = PyBuffer::<u32>::get(&ids)?;
+    let cells = buf
+        .as_mut_slice(py)
+        .ok_or_else(|| PyTypeError::new_err("array('I') is not a writable u32 buffer"))?;
+    for (cell, &b) in cells.iter().zip(utf8) {
+        cell.set(u32::from(b));
+    }
+    drop(buf);
+    Ok(ids)
 }
 
 pyo3::create_exception!(
@@ -446,6 +598,8 @@ impl PyBlockIndex {
 fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPrefixIndex>()?;
     m.add_class::<PyBlockIndex>()?;
+    m.add_class::<PyTokenIds>()?;
+    m.add_function(wrap_pyfunction!(utf8_token_ids, m)?)?;
     m.add(
         "UnknownParentError",
         m.py().get_type::<UnknownParentError>(),

@@ -18,6 +18,7 @@ impl PrefixIndex {
         let Some(wid) = self.worker_id(worker) else {
             return 0;
         };
+        self.epoch += 1;
         // Nodes on the path whose edge lies wholly within `tokens`, root first.
         let mut path: Vec<u32> = Vec::with_capacity(8);
         let mut cur = ROOT;

@@ -260,6 +260,14 @@ fn randomized_against_reference() {
                     );
                     let expect_best = reference.match_all(&t).iter().map(|x| x.1).max();
                     assert_eq!(idx.longest_match(&t).0, expect_best.unwrap_or(0));
+                    // One walk answers both, in the same order as the two calls.
+                    let found = idx.lookup_ids(&t);
+                    let (longest, holders) = idx.longest_match_ids(&t);
+                    assert_eq!(found.matches, idx.match_all_ids(&t), "seed {seed}");
+                    assert_eq!(found.longest, longest, "seed {seed}");
+                    let first: Vec<u32> =
+                        found.matches[..found.holders].iter().map(|m| m.0).collect();
+                    assert_eq!(first, holders, "seed {seed}");
                 }
             }
             idx.check_invariants();
@@ -362,4 +370,129 @@ fn a_worker_budget_overrides_the_index_budget() {
     assert_eq!(idx.set_worker_budget("b", None), 70);
     assert_eq!(idx.worker_budget("unknown"), Some(100));
     idx.check_invariants();
+}
+
+#[test]
+fn common_prefix_finds_the_first_difference_at_every_position() {
+    for len in [0usize, 1, 15, 16, 17, 31, 32, 33, 100] {
+        let a: Vec<u32> = (0..len as u32).map(|x| x * 7 + 1).collect();
+        assert_eq!(common_prefix(&a, &a), len);
+        assert_eq!(common_prefix(&a, &a[..len / 2]), len / 2);
+        for at in 0..len {
+            for flip in [1u32, 1 << 31] {
+                let mut b = a.clone();
+                b[at] ^= flip;
+                assert_eq!(common_prefix(&a, &b), at, "len {len} at {at}");
+                assert_eq!(common_prefix(&b, &a), at, "len {len} at {at}");
+            }
+        }
+    }
+}
+
+/// Every observable answer of an index, for comparing two that should be equal.
+fn snapshot(idx: &PrefixIndex, probes: &[Vec<u32>]) -> (Vec<Vec<(String, u32)>>, IndexStats) {
+    let matches = probes.iter().map(|p| sorted(idx.match_all(p))).collect();
+    (matches, idx.stats())
+}
+
+#[test]
+fn insert_after_a_lookup_is_insert() {
+    // Two indexes see the same operations; one inserts through the lookup's walk
+    // (current, stale after another change, or taken on the other index), the other
+    // from the root. Same answers, same reports, same state.
+    for seed in 0..300u64 {
+        let mut rng = SmallRng::seed_from_u64(seed);
+        let budget = if seed % 2 == 0 {
+            None
+        } else {
+            Some(rng.gen_range(1..30u64))
+        };
+        let mut plain = PrefixIndex::new(budget);
+        let mut walked = PrefixIndex::new(budget);
+        let other = PrefixIndex::new(budget);
+        let stems: Vec<Vec<u32>> = (0..3)
+            .map(|_| {
+                (0..rng.gen_range(1..40))
+                    .map(|_| rng.gen_range(0..3))
+                    .collect()
+            })
+            .collect();
+        let workers = ["w0", "w1", "w2"];
+        let mut probes = Vec::new();
+        for _step in 0..50 {
+            let w = workers[rng.gen_range(0..workers.len())];
+            let t = random_tokens(&mut rng, &stems);
+            match rng.gen_range(0..8) {
+                0 => {
+                    plain.remove_worker(w);
+                    walked.remove_worker(w);
+                }
+                1 => {
+                    // A walk made stale by another change in between.
+                    let found = walked.lookup_ids(&t);
+                    let u = random_tokens(&mut rng, &stems);
+                    let v = workers[rng.gen_range(0..workers.len())];
+                    match rng.gen_range(0..5) {
+                        0 => {
+                            plain.insert(v, &u);
+                            walked.insert(v, &u);
+                        }
+                        1 => {
+                            plain.rollback(v, &t, 0);
+                            walked.rollback(v, &t, 0);
+                        }
+                        2 => {
+                            plain.remove_worker(v);
+                            walked.remove_worker(v);
+                        }
+                        3 => {
+                            plain.set_worker_budget(v, Some(3));
+                            walked.set_worker_budget(v, Some(3));
+                        }
+                        _ => {
+                            plain.clear();
+                            walked.clear();
+                        }
+                    }
+                    assert_eq!(
+                        plain.insert(w, &t),
+                        walked.insert_after(w, &t, &found.walk),
+                        "seed {seed}"
+                    );
+                }
+                2 => {
+                    // A walk of another index is not this one's.
+                    let found = other.lookup_ids(&t);
+                    assert_eq!(
+                        plain.insert(w, &t),
+                        walked.insert_after(w, &t, &found.walk),
+                        "seed {seed}"
+                    );
+                }
+                _ => {
+                    let found = walked.lookup_ids(&t);
+                    assert_eq!(found.matches, walked.match_all_ids(&t));
+                    assert_eq!(
+                        plain.insert(w, &t),
+                        walked.insert_after(w, &t, &found.walk),
+                        "seed {seed}"
+                    );
+                }
+            }
+            probes.push(t);
+            walked.check_invariants();
+            assert_eq!(
+                snapshot(&plain, &probes),
+                snapshot(&walked, &probes),
+                "seed {seed}"
+            );
+            for w in workers {
+                assert_eq!(
+                    plain.cached_tokens(w),
+                    walked.cached_tokens(w),
+                    "seed {seed}"
+                );
+            }
+        }
+    }
 }

@@ -25,14 +25,16 @@ def test_metrics_page_is_what_the_registry_defines() -> None:
 
 
 def _exposed_series(tmp_path: Path) -> set[str]:
-    """Every family a router in precise mode and recording exposes after it routed one
-    request, read from its own /metrics text."""
+    """Every family a router in precise mode, recording and sharing state through a
+    store (never started) exposes after it routed one request, read from its own
+    /metrics text."""
     settings = Settings(
         worker_urls=[WORKER],
         worker_capacity=4,
         kv_events=[f"{WORKER}=tcp://127.0.0.1:9"],
         record=str(tmp_path / "trace.jsonl"),
         token_id_prompts=True,
+        state_store="redis://127.0.0.1:9/0",
     ).validate()
     state = build_state(settings)
     state.subscriber.start()
@@ -72,7 +74,12 @@ def _scrape(state: RouterState) -> set[str]:
 def test_every_exposed_series_is_on_the_page(tmp_path: Path) -> None:
     page = (DOCS / "metrics.md").read_text()
     exposed = _exposed_series(tmp_path)
-    # precise mode's and the recorder's series are read
-    assert {"kvroute_kv_events_received_total", "kvroute_record_dropped_total"} <= exposed
+    # precise mode's, the recorder's and the shared store's series are read
+    assert {
+        "kvroute_kv_events_received_total",
+        "kvroute_record_dropped_total",
+        "kvroute_state_store_published_total",
+        "kvroute_state_store_connected",
+    } <= exposed
     missing = sorted(n for n in exposed if f"`{n}`" not in page)
     assert missing == []

@@ -178,6 +178,8 @@ OTHER_PROGRAMS = {
     "--diagnose",  # bench/sim_shared_state.py
     "--tokens",  # bench/shared_state_overhead.py
     "--before-store",  # bench/shared_state_overhead.py
+    "--gap-ms",  # bench/shared_state_overhead.py
+    "--release-delay-ms",  # bench/sim_shared_state.py
 }
 
 

@@ -220,6 +220,29 @@ def test_worker_added_on_one_router_is_used_by_the_others(
     assert [r["self"] for r in both["routers"]].count(True) == 1
 
 
+def test_a_router_started_later_replays_the_decisions_of_one_gone(
+    tmp_path: Path, processes: list[Server], redis_server: RedisServer, routers: Routers
+) -> None:
+    ws = workers(tmp_path, processes, 3)
+    (first,) = routers(1, [w.url for w in ws], redis_server.url)
+    assert wait_until(lambda: metric(first, "kvroute_state_store_connected") == 1)
+    homes = {}
+    for g in range(3):
+        resp = ask(first, group_prompt(g, 0))
+        assert resp.status_code == 200
+        homes[g] = resp.headers["x-kvroute-worker"]
+    assert wait_until(lambda: metric(first, "kvroute_state_store_buffered") == 0)
+    assert metric(first, "kvroute_state_store_published_total") == 3
+    first.stop()  # gone before the next one starts: only its stream is left
+    (later,) = routers(1, [w.url for w in ws], redis_server.url)
+    assert wait_until(lambda: applied(later) >= 3), applied(later)
+    for g in range(3):
+        resp = ask(later, group_prompt(g, 1))
+        assert resp.status_code == 200 and resp.headers["x-kvroute-worker"] == homes[g]
+    assert metric(later, "kvroute_routing_decisions_total", 'reason="cache_hit"') == 3
+    assert live(later) == 1
+
+
 def test_redis_killed_mid_run(
     tmp_path: Path, processes: list[Server], redis_server: RedisServer, routers: Routers
 ) -> None:

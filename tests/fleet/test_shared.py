@@ -78,6 +78,20 @@ def test_digest_index_agrees_with_the_token_index_on_whole_blocks() -> None:
         q = prompt(s % 9, 200) + prompt(100 + s, 50)
         want = {w: (n // BLOCK_SIZE) * BLOCK_SIZE for w, n in tokens.match(q).items()}
         assert digest.match(q) == {w: n for w, n in want.items() if n}
+        assert digest.lookup(q) == (digest.match(q), *digest.longest_match(q), q)
+
+
+def test_digest_lookup_is_match_and_longest_match_when_half_a_digest_matches() -> None:
+    digest = DigestIndex()
+    keys = np.array([1, 2, 3, 4, 5, 6], dtype=np.uint32)
+    digest.insert_digests("a", keys.tobytes())
+    digest.insert_digests("b", keys[:4].tobytes())
+    digest.insert_digests("c", keys[:2].tobytes())
+    for query in ([1, 2, 3, 4, 5, 9], [1, 2, 3, 9], [1, 9], [1, 2, 3, 4, 5, 6], [7, 8]):
+        q = prompt(0, 3 * BLOCK_SIZE)
+        digest._last, digest._last_keys = q, np.array(query, dtype=np.uint32)
+        got = digest.lookup(q)
+        assert got == (digest.match(q), *digest.longest_match(q), q), query
 
 
 def test_store_url_is_checked_and_redacted() -> None:
@@ -207,6 +221,19 @@ def test_xadd_is_the_command_redis_py_would_send() -> None:
     for k, v in entry.items():
         args += [k, v]
     assert wire.xadd(key, entry, 7) == b"".join(Connection().pack_command(*args))
+    # The publisher's own encoder makes the same commands, whatever an entry carries.
+    commands = wire.Commands(key, b"abc", 2000)
+    decisions = [("http://w:1", b"\x01" * 16), ("http://w:2", b"\x03" * 8)]
+    for made, entry in (
+        (commands.inserts(wire.pack_inserts(decisions)), wire.insert_entry(b"abc", decisions)),
+        (
+            commands.inserts(wire.pack_inserts(decisions), b"\x02" * 30),
+            wire.insert_entry(b"abc", decisions, b"\x02" * 30),
+        ),
+        (commands.load(b"\x02" * 30), wire.insert_entry(b"abc", [], b"\x02" * 30)),
+    ):
+        entry[b"t"] = made.split(b"\r\n")[24]  # the clock, read where the encoder put it
+        assert made == wire.xadd(key, entry, 2000)
 
 
 def test_a_router_reads_the_others_streams_not_its_own_and_drops_the_dead_once_read() -> None:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvroute import PrefixIndex
+from kvroute._native import BlockIndex
 
 
 class ReferenceIndex:
@@ -74,13 +75,21 @@ class IndexMachine(RuleBasedStateMachine):
         self.index = PrefixIndex(budget)
         self.ref = ReferenceIndex(budget)
 
-    @rule(worker=WORKERS, tokens=token_lists(), kind=st.sampled_from(["list", "array", "numpy"]))
+    @rule(
+        worker=WORKERS,
+        tokens=token_lists(),
+        kind=st.sampled_from(["list", "array", "numpy", "bytes", "bytearray"]),
+    )
     def insert(self, worker: str, tokens: list[int], kind: str) -> None:
         arg: object = tokens
         if kind == "array":
             arg = array.array("I", tokens)
         elif kind == "numpy":
             arg = np.asarray(tokens, dtype=np.uint32)
+        elif kind == "bytes":
+            arg = bytes(tokens)
+        elif kind == "bytearray":
+            arg = bytearray(tokens)
         self.index.insert(worker, arg)  # type: ignore[arg-type]
         self.ref.insert(worker, tokens)
 
@@ -91,6 +100,36 @@ class IndexMachine(RuleBasedStateMachine):
         best, holders = self.index.longest_match(tokens)
         assert best == max(expected.values(), default=0)
         assert sorted(holders) == sorted(w for w, n in expected.items() if n == best)
+        # One walk answers both, in the same order (the policy's ties depend on it),
+        # and a bytes prompt is its bytes as token IDs.
+        found = self.index.lookup(tokens)
+        assert found[:3] == (self.index.match(tokens), best, holders)
+        assert list(found[0].items()) == list(self.index.match(tokens).items())
+        assert self.index.lookup(bytes(tokens))[:3] == found[:3]
+        # The converted tokens stand for the prompt in any later call.
+        ids = found[3]
+        assert len(ids) == len(tokens)
+        assert self.index.lookup(ids)[:3] == found[:3]
+        assert self.index.match(ids) == expected
+
+    @rule(worker=WORKERS, tokens=token_lists())
+    def insert_what_lookup_converted(self, worker: str, tokens: list[int]) -> None:
+        """A decision's insert: the lookup's ``TokenIds`` (and walk), not the tokens."""
+        *_, ids = self.index.lookup(tokens)
+        self.index.insert(worker, ids)
+        self.ref.insert(worker, tokens)
+
+    @rule(worker=WORKERS, other=WORKERS, tokens=token_lists(), between=token_lists())
+    def insert_after_the_tree_changed(
+        self, worker: str, other: str, tokens: list[int], between: list[int]
+    ) -> None:
+        """The lookup's walk is stale once anything changed: the insert still records
+        exactly the tokens."""
+        *_, ids = self.index.lookup(tokens)
+        self.index.insert(other, between)
+        self.ref.insert(other, between)
+        self.index.insert(worker, ids)
+        self.ref.insert(worker, tokens)
 
     @precondition(lambda self: bool(self.ref.held))
     @rule(worker=WORKERS)
@@ -131,6 +170,11 @@ def test_buffer_list_and_numpy_agree() -> None:
     assert idx.match(tuple(range(5))) == {"a": 5}
     assert idx.match(iter(range(7))) == {"a": 7}
     assert idx.match([]) == {}
+    # bytes and bytearray: one token per byte, every byte value.
+    idx.insert("b", bytes(range(256)) * 2)
+    assert idx.match(array.array("I", list(range(256)) * 2)) == {"b": 512, "a": 100}
+    assert idx.lookup(bytearray(range(200)))[:3] == ({"b": 200, "a": 100}, 200, ["b"])
+    assert idx.lookup(b"")[:3] == ({}, 0, [])
 
 
 @pytest.mark.parametrize(
@@ -151,6 +195,8 @@ def test_bad_tokens_raise_clear_errors(bad: object, exc: type[Exception], messag
         idx.insert("b", bad)  # type: ignore[arg-type]
     with pytest.raises(exc):
         idx.match(bad)  # type: ignore[arg-type]
+    with pytest.raises(exc):
+        idx.lookup(bad)  # type: ignore[arg-type]
     assert idx.workers() == ["a"]
     assert idx.cached_tokens("a") == 3
 
@@ -246,3 +292,19 @@ def test_recycled_worker_ids_report_the_new_name() -> None:
     idx.insert("new", [1, 2, 3])
     assert idx.longest_match([1, 2, 3]) == (3, ["new"])
     assert idx.match([1, 2]) == {"new": 2}
+
+
+def test_token_ids_from_a_lookup_stand_for_the_prompt_everywhere() -> None:
+    idx = PrefixIndex()
+    idx.insert("a", [1, 2, 3])
+    matches, longest, holders, ids = idx.lookup(array.array("I", [1, 2, 3, 4, 5]))
+    assert (matches, longest, holders, len(ids)) == ({"a": 3}, 3, ["a"], 5)
+    assert "5 tokens" in repr(ids)
+    assert idx.insert("b", ids) == 0
+    assert idx.longest_match([1, 2, 3, 4, 5]) == (5, ["b"])
+    assert idx.rollback("b", ids, 0) == 5  # the insert undone from the same handle
+    assert idx.match([1, 2, 3, 4, 5]) == {"a": 3}
+    blocks = BlockIndex()
+    blocks.stored("w", None, [7], ids, 5)  # any call that takes tokens
+    assert blocks.match([1, 2, 3, 4, 5]) == {"w": 5}
+    idx.check_invariants()

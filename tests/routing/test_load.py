@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvroute.routing.load import (
     PRIOR_OVERHEAD_S,
@@ -180,6 +183,51 @@ def test_prefill_is_learned_from_what_the_engine_reports_it_had_cached() -> None
     assert m.prefill_rate("w") == pytest.approx(10_000, rel=0.01)
 
 
+def reuse(m: LoadModel, worker: str, n: int, predicted: int, real: int, at: float) -> None:
+    """One request of ``n`` tokens whose engine reported ``real`` cached tokens where the
+    index predicted ``predicted``."""
+    t = m.reserve(worker, n - predicted, 10, now=at, matched=predicted)
+    t.reported_uncached = n - real
+    t.end(at + 1.0)
+
+
+def test_index_trust_is_not_worn_down_by_short_matches_no_engine_caches() -> None:
+    """Most prompts share a few leading tokens with something routed before (a template's
+    opening, a common first word); the index reports them matched, but an engine caches
+    whole blocks (here 16 tokens), so it reports none of them cached. They say nothing
+    about the index: the long matches it predicted were all there."""
+    m = LoadModel()
+    for i in range(200):
+        if i % 8 == 0:  # a real hit: 12,000 tokens predicted, 749 blocks of 16 cached
+            reuse(m, "w", 12_500, 12_000, 11_984, at=float(i))
+        elif i % 8 == 4:  # 9,000 predicted, 562 blocks
+            reuse(m, "w", 9_500, 9_000, 8_992, at=float(i))
+        else:  # a miss that happened to share its first 3 tokens
+            reuse(m, "w", 8_000, 3, 0, at=float(i))
+    assert m.workers["w"].trust > 0.99
+    assert m.workers["w"].grain == 16
+    assert m.own_prefill("w", 500, 12_000) == pytest.approx(m.own_prefill("w", 500), rel=0.05)
+    # A worker that has reported nothing yet is checked in the fleet's unit.
+    for i in range(50):
+        reuse(m, "new", 8_000, 10, 0, at=300.0 + i)
+    assert m.workers["new"].trust == 1.0
+
+
+def test_index_trust_falls_where_long_predicted_matches_were_evicted() -> None:
+    m = LoadModel()
+    for i in range(60):
+        reuse(m, "w", 12_500, 12_000, 0, at=float(i))  # the engine had evicted them
+    assert m.workers["w"].trust < 0.1
+    assert m.own_prefill("w", 500, 12_000) > 0.9 * m.own_prefill("w", 12_500)
+    for i in range(60, 120):  # and recovers once the matches are real again
+        reuse(m, "w", 12_500, 12_000, 11_984, at=float(i))
+    assert m.workers["w"].trust > 0.9
+    # Half of a 4,000-token match evicted: trust goes to one half.
+    for i in range(120, 300):
+        reuse(m, "w", 4_500, 4_000, 2_000, at=float(i))
+    assert m.workers["w"].trust == pytest.approx(0.5, abs=0.01)
+
+
 def test_max_tokens_of_request_bodies() -> None:
     assert max_tokens_of({"max_tokens": 40}) == 40
     assert max_tokens_of({"max_completion_tokens": 7, "max_tokens": 40}) == 7
@@ -206,3 +254,81 @@ def test_a_request_overtaken_by_a_later_one_gives_no_queued_sample() -> None:
     second.first_byte(1.5)
     assert second.sample is None
     assert third.sample is None  # not the oldest waiting when it came back
+
+
+WORKERS = ("a", "b", "c", "d")
+_op = st.one_of(
+    st.tuples(
+        st.just("reserve"),
+        st.sampled_from(WORKERS),
+        st.integers(0, 50_000),
+        st.integers(0, 20_000),
+        st.integers(1, 500),
+    ),
+    st.tuples(st.just("first_byte"), st.integers(0, 63), st.floats(0.001, 5.0)),
+    st.tuples(st.just("end"), st.integers(0, 63), st.floats(0.001, 5.0), st.integers(0, 400)),
+    st.tuples(
+        st.just("engine"),
+        st.sampled_from(WORKERS),
+        st.integers(0, 12),
+        st.integers(0, 12),
+        st.one_of(st.none(), st.floats(0.0, 1.0)),
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ops=st.lists(_op, max_size=60),
+    fixed=st.one_of(st.none(), st.integers(1, 6)),
+    capacities=st.dictionaries(st.sampled_from(WORKERS), st.integers(0, 6)),
+    others=st.dictionaries(st.sampled_from(WORKERS), st.integers(0, 5)),
+    peer=st.dictionaries(st.sampled_from(WORKERS), st.integers(0, 5)),
+    shared=st.booleans(),
+    tokens=st.integers(0, 60_000),
+    matches=st.dictionaries(st.sampled_from((*WORKERS, "new")), st.integers(0, 60_000)),
+)
+def test_predictions_per_decision_are_the_per_worker_calls_exactly(
+    ops: list[tuple[Any, ...]],
+    fixed: int | None,
+    capacities: dict[str, int],
+    others: dict[str, int],
+    peer: dict[str, int],
+    shared: bool,
+    tokens: int,
+    matches: dict[str, int],
+) -> None:
+    """``LoadModel.predict`` (what cache_aware computes once per decision) gives, bit
+    for bit, what ``ttft``, ``own_prefill`` and ``cost`` give worker by worker, over
+    model states built from random reservations, first bytes, ends (learning speed,
+    output length and trust) and engine readings, and for a worker it never saw."""
+    m = LoadModel()
+    m.fixed_capacity, m.capacities, m.others, m.peer = fixed, capacities, others, peer
+    if shared:
+        m.peer_pending = {w: n % 3 for w, n in peer.items()}
+        m.peer_prefill = {w: 1000 * n for w, n in peer.items()}
+    tickets = []
+    now = 0.0
+    for op in ops:
+        now += 0.01
+        if op[0] == "reserve":
+            _, w, uncached, matched, out = op
+            tickets.append(m.reserve(w, uncached, out, now, matched))
+        elif op[0] == "first_byte" and tickets:
+            tickets[op[1] % len(tickets)].first_byte(now + op[2])
+        elif op[0] == "end" and tickets:
+            t = tickets[op[1] % len(tickets)]
+            t.reported_uncached = op[3] * 10
+            t.end(now + op[2], output_tokens=op[3])
+        elif op[0] == "engine":
+            m.observe_engine(op[1], op[2], op[3], op[4])
+    workers = (*WORKERS, "new")
+    pred = m.predict(workers, tokens, matches)
+    behind = m.queued_per_worker(workers)
+    for w in workers:
+        held = matches.get(w, 0)
+        assert pred.ttft[w] == m.ttft(w, tokens - held, held)
+        assert pred.own[w] == m.own_prefill(w, tokens - held, held)
+        assert pred.cost(w, behind) == m.cost(w, tokens, held, behind)
+    for s in m.workers.values():
+        assert s.prefill.samples == sum(len(b) for b in s.prefill._by_size.values())

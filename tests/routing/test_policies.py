@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvroute import PrefixIndex
 from kvroute.routing.policies import POLICY_NAMES, NoWorkerError, RouteRequest, create_policy
+from kvroute.routing.policies._common import TieBreaker, tie_window
 
 W = ["http://a", "http://b", "http://c", "http://d"]
 
@@ -210,3 +215,58 @@ def test_no_ticket_without_precise_mode() -> None:
     policy = create_policy("cache_aware", PrefixIndex())
     policy.on_worker_added("a")
     assert policy.select(RouteRequest(tokens=[1, 2, 3]), {"a": 0}).ticket is None
+
+
+def _least_by_in_two_steps(
+    ties: TieBreaker, scores: dict[str, float], loads: dict[str, int]
+) -> str:
+    """``TieBreaker.least_by`` as it was written: the tied workers, then ``least_loaded``."""
+    best = min(scores.values())
+    tie = tie_window(best)
+    return ties.least_loaded({w: loads.get(w, 0) for w, t in scores.items() if t - best <= tie})
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    calls=st.lists(
+        st.tuples(
+            st.dictionaries(
+                st.sampled_from("abcdef"),
+                st.sampled_from(
+                    [0.0, 0.0005, 0.001, 0.0011, 0.05, 0.0505, 0.051, 0.2, 1.0, float("inf")]
+                ),
+                min_size=1,
+            ),
+            st.dictionaries(st.sampled_from("abcdefg"), st.integers(0, 3)),
+        ),
+        max_size=40,
+    )
+)
+def test_least_by_chooses_as_least_loaded_over_the_tied_workers(
+    calls: list[tuple[dict[str, float], dict[str, int]]],
+) -> None:
+    """The one-pass ``least_by`` picks what ``least_loaded`` over the workers within the
+    tie window picks (fewest in flight, then chosen longest ago, then first), call after
+    call, leaving the same rotation state."""
+    fast, slow = TieBreaker(), TieBreaker()
+    for scores, loads in calls:
+        assert _outcome(partial(fast.least_by, scores, loads)) == _outcome(
+            partial(_least_by_in_two_steps, slow, scores, loads)
+        )
+        assert (fast._turn, fast._last) == (slow._turn, slow._last)
+
+
+def _outcome(choose: Callable[[], str]) -> str:
+    try:
+        return choose()
+    except NoWorkerError:  # nothing within the window (only infinite predictions)
+        return "no worker"
+
+
+def test_least_by_forgets_departed_workers_as_least_loaded_does() -> None:
+    fast, slow = TieBreaker(), TieBreaker()
+    for i in range(4200):
+        scores = {f"w{i}": 0.0, "x": 0.0005, "y": 0.5}
+        assert fast.least_by(scores, {"x": 1}) == _least_by_in_two_steps(slow, scores, {"x": 1})
+        assert fast._last == slow._last
+    assert len(fast._last) <= 4097

@@ -5,6 +5,8 @@ from __future__ import annotations
 import array
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvroute.errors import BadRequestError
 from kvroute.routing.decide_first import Prompt
@@ -99,6 +101,15 @@ async def test_bad_prompts_are_client_errors(
 def test_byte_fallback_is_one_token_per_utf8_byte(text: str) -> None:
     tokens = utf8_tokens(text)
     assert tokens.typecode == "I"
+    assert list(tokens) == list(text.encode("utf-8", "surrogatepass"))
+
+
+@settings(max_examples=500, deadline=None)
+@given(text=st.text(st.characters(codec=None, exclude_categories=())))
+def test_byte_fallback_of_any_text_is_its_utf8_bytes(text: str) -> None:
+    """The native widening against Python's own encoder, lone surrogates included."""
+    tokens = utf8_tokens(text)
+    assert type(tokens) is array.array and tokens.typecode == "I"
     assert list(tokens) == list(text.encode("utf-8", "surrogatepass"))
 
 

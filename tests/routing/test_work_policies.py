@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 from kvroute._native import PrefixIndex
 from kvroute.routing.load import LoadModel
 from kvroute.routing.policies import RouteRequest, create_policy
@@ -51,7 +53,7 @@ def test_min_ttft_ties_go_to_a_long_match_then_fewer_requests() -> None:
     prompt = tokens(3, 1000)
     pol.index.insert("c", prompt[:4])  # type: ignore[attr-defined]
     d = pol.select(RouteRequest(prompt), loads)  # type: ignore[attr-defined]
-    assert d.worker == "b"
+    assert (d.worker, d.reason) == ("b", "cache_miss")  # no overflow: nothing was given up
     # A long one does.
     prompt = tokens(4, 1000)
     pol.index.insert("c", prompt[:600])  # type: ignore[attr-defined]
@@ -134,3 +136,25 @@ def test_cache_aware_work_leaves_a_holder_whose_queue_costs_more_than_its_cache_
         old.on_worker_added(w)
     old.index.insert("a", prompt[:3800])  # type: ignore[attr-defined]
     assert old.select(RouteRequest(prompt), loads).worker == "a"
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "min_ttft"])
+def test_a_long_match_is_kept_after_many_short_matches_an_engine_cannot_cache(policy: str) -> None:
+    """Prompts that share only their first few tokens with earlier ones (text whose
+    opening repeats) are predicted a few cached tokens that no engine caches (whole
+    blocks only). The index is right about its long matches all along, so a holder of
+    3,800 tokens with one prompt queued keeps the request: the saving is real.
+    (When each such prompt counted as a failed prediction, three in four took trust to
+    a quarter, and the match was taken for three quarters cold.)"""
+    pol, model = setup(policy)
+    loads = dict.fromkeys(WORKERS, 1)
+    for i in range(100):
+        matched, real = (3800, 3792) if i % 4 == 0 else (3, 0)  # the engine: 16-token blocks
+        t = model.reserve("a", 4000 - matched, 10, now=float(i), matched=matched)
+        t.reported_uncached = 4000 - real
+        t.end(float(i) + 0.5)
+    prompt = tokens(5, 4000)
+    pol.index.insert("a", prompt[:3800])  # type: ignore[attr-defined]
+    model.reserve("a", 3000, 10, now=200.0)
+    d = pol.select(RouteRequest(prompt), loads)  # type: ignore[attr-defined]
+    assert (d.worker, d.reason, d.matched_tokens) == ("a", "cache_hit", 3800)

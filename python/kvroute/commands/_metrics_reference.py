@@ -34,7 +34,9 @@ Per-worker series carry the worker's URL in the `worker` label.
 
 Routing decisions are labelled by `reason`: {reasons}.
 The `kvroute_kv_events_*` series appear in precise mode only (`--kv-events`, see
-[Precise mode](precise-mode.md)); the `kvroute_record_*` series with `--record` only.
+[Precise mode](precise-mode.md)); the `kvroute_record_*` series with `--record` only;
+the `kvroute_state_store_*` series with `--state-store` only (see
+[Running several routers](several-routers.md)).
 """
 
 
@@ -74,10 +76,15 @@ class _Recorder:
 
 
 def registry() -> CollectorRegistry:
-    """The registry of a router in precise mode and recording, with one worker."""
+    """The registry of a router in precise mode, recording and sharing state through a
+    store (never connected), with one worker."""
     from kvroute._native import BlockIndex
+    from kvroute.config import Settings, StoreURL
     from kvroute.events.metrics import register_kv_event_metrics
     from kvroute.events.tracker import EventTracker
+    from kvroute.fleet.registry import Registry
+    from kvroute.fleet.shared import StateStore
+    from kvroute.fleet.shared.metrics import StoreCollector
     from kvroute.service.metrics import RouterMetrics
     from kvroute.service.recorder import RecorderCollector
 
@@ -88,6 +95,16 @@ def registry() -> CollectorRegistry:
         _Subscriber(),  # type: ignore[arg-type]
     )
     metrics.registry.register(RecorderCollector(_Recorder()))  # type: ignore[arg-type]
+    worker = _snapshot()["workers"][0]["url"]
+    store = StateStore(
+        StoreURL("redis://store:6379/0"),
+        Registry(Settings(worker_urls=[worker]).validate()),
+        None,
+        router_url="http://router:30000",
+        version="reference",
+    )
+    store.peer_load[worker] = 0  # the per-worker family has a sample
+    metrics.registry.register(StoreCollector(store))
     return metrics.registry
 
 

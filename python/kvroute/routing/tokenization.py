@@ -33,9 +33,9 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any, TypeAlias
 
-import numpy
 import orjson
 
+from kvroute._native import utf8_token_ids
 from kvroute.errors import BadRequestError
 from kvroute.routing import bpe, partial
 from kvroute.routing.bpe import FastBPE
@@ -92,10 +92,10 @@ def default_tokenizer_dir() -> str | None:
 
 
 def utf8_tokens(text: str) -> array.array[int]:
-    """The no-tokenizer fallback: one token per UTF-8 byte of ``text`` (widened to u32
-    by NumPy: 30x faster than ``array.extend`` over the bytes, ~190 µs for 8 KB)."""
-    raw = numpy.frombuffer(text.encode("utf-8", "surrogatepass"), numpy.uint8)
-    return array.array("I", raw.astype(numpy.uint32).tobytes())
+    """The no-tokenizer fallback: one token per UTF-8 byte of ``text`` (lone surrogates
+    as ``surrogatepass`` encodes them), widened to u32 in one native pass from the
+    str's own UTF-8 (NumPy's encode, cast and copies took 3x as long)."""
+    return utf8_token_ids(text)
 
 
 def _message_text(content: Any, index: int) -> str:
@@ -368,8 +368,10 @@ class PromptTokenizer:
         if self._tok is None:
             request_template_kwargs(body, trusted=self.trust_request_chat_template)
             return "".join(
-                f"{m['role']}: {_message_text(m.get('content'), i)}\n"
-                for i, m in enumerate(messages)
+                [
+                    f"{m['role']}: {_message_text(m.get('content'), i)}\n"
+                    for i, m in enumerate(messages)
+                ]
             )
         return self._render(messages, body, time.monotonic() + self.template_timeout_s)
 
@@ -497,6 +499,8 @@ class PromptTokenizer:
         A batch routes on its first prompt; every prompt is validated."""
         if route == "chat":
             messages = _check_messages(body.get("messages"))
+            if self._tok is None:  # bytes: nothing to wait for (no pool, no thread)
+                return utf8_tokens(self.render_chat(messages, body))
             text = await self.render_chat_async(messages, body)
             return await self.encode_text_async(text)
         prompts, _ = self._prompts(route, body)

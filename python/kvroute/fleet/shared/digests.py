@@ -11,7 +11,7 @@ the root, so block ``i`` is found only under the same blocks ``0..i-1``. Constan
 fixed, so every router, on any host, computes the same digests.
 
 ``DigestIndex`` wraps ``PrefixIndex`` with the same methods the policies call
-(``match``, ``longest_match``, ``insert``, ...), and keys the tree by the digest chain
+(``match``, ``longest_match``, ``lookup``, ``insert``, ...), and keys the tree by the digest chain
 (each 64-bit digest as two u32 keys). Local decisions and the peers' published ones go
 into this one tree, under one per-worker budget, so every router applies the same
 inserts under the same budget and evicts the same prefixes (up to the order in which
@@ -131,6 +131,19 @@ class DigestIndex:
             best = max(per.values(), default=0)
             return (best, [w for w, m in per.items() if m == best]) if best else (0, [])
         return self._tokens(n), holders
+
+    def lookup(self, tokens: Sequence[int]) -> tuple[dict[str, int], int, list[str], Sequence[int]]:
+        """``(match(tokens), *longest_match(tokens), tokens)`` from one walk of the tree
+        (``tokens`` for the decision's ``insert``: its digests are kept for it)."""
+        keys = self.keys(tokens)
+        if not len(keys):
+            return {}, 0, [], tokens
+        got, n, holders, _ = self.tree.lookup(keys)
+        per = {w: self._tokens(m) for w, m in got.items() if m >= 2}
+        if n % 2:  # as longest_match: a digest's first half matched, its second did not
+            best = max(per.values(), default=0)
+            return per, best, [w for w, m in per.items() if m == best] if best else [], tokens
+        return per, self._tokens(n), holders, tokens
 
     def remove_worker(self, worker: str) -> None:
         self.tree.remove_worker(worker)

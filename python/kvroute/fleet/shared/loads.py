@@ -33,6 +33,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Collection, Iterator
 
+from kvroute.fleet.shared.wire import encoded
 from kvroute.routing.load import LoadModel
 
 _REC = struct.Struct("<HIII")  # URL length, in flight, waiting for a first byte, tokens
@@ -42,7 +43,7 @@ _MAX = 0xFFFFFFFF
 def pack(values: list[tuple[str, int, int, int]]) -> bytes:
     parts: list[bytes] = []
     for url, flight, n, tokens in values:
-        raw = url.encode()
+        raw = encoded(url)
         parts += (_REC.pack(len(raw), _clamp(flight), _clamp(n), _clamp(tokens)), raw)
     return b"".join(parts)
 
@@ -106,15 +107,22 @@ class SharedLoad:
 
     def take(self) -> bytes:
         """The current values of the workers changed since the last call, packed."""
-        values = []
+        workers = self.model.workers
+        parts: list[bytes] = []
         for url in self._dirty:
-            st = self.model.workers.get(url)
+            raw = encoded(url)
+            st = workers.get(url)
             if st is None:
-                values.append((url, 0, 0, 0))
+                parts += (_REC.pack(len(raw), 0, 0, 0), raw)
             else:
-                values.append((url, st.requests, len(st.pending), st.prefill_tokens))
+                try:
+                    rec = _REC.pack(len(raw), st.requests, len(st.pending), st.prefill_tokens)
+                except struct.error:  # out of the u32 range
+                    flight, n, tokens = st.requests, len(st.pending), st.prefill_tokens
+                    rec = _REC.pack(len(raw), _clamp(flight), _clamp(n), _clamp(tokens))
+                parts += (rec, raw)
         self._dirty.clear()
-        return pack(values)
+        return b"".join(parts)
 
     # ----------------------------------------------------------- applying
 

@@ -51,6 +51,7 @@ class Publisher:
 
     _rid: bytes
     _buf: deque[tuple[str, bytes]]
+    _commands: wire.Commands
     _soon: bool
     _writer: asyncio.StreamWriter | None
     _wake: asyncio.Event
@@ -95,17 +96,26 @@ class Publisher:
     def _write(self, writer: asyncio.StreamWriter) -> None:
         """Everything queued, as ``XADD``s in one write; no reply comes back."""
         shared = self.shared_load
-        queued = shared.take() if shared is not None and shared.dirty else b""
-        n = len(self._buf)
-        if not n and not queued:
+        load = shared.take() if shared is not None and shared.dirty else b""
+        buf = self._buf
+        n = len(buf)
+        if n == 0:
+            if load:
+                writer.write(self._commands.load(load))
             return
-        batch = [self._buf.popleft() for _ in range(n)]
-        commands = []
-        for i in range(0, max(n, 1), wire.PER_ENTRY):
-            entry = wire.insert_entry(self._rid, batch[i : i + wire.PER_ENTRY], queued)
-            queued = b""  # rides with the first entry
-            commands.append(wire.xadd(self.streams.own, entry, self.stream_len))
-        writer.write(b"".join(commands))
+        if n <= wire.PER_ENTRY:  # the usual case: one entry
+            data = self._commands.inserts(wire.pack_inserts(buf), load)
+            buf.clear()
+        else:
+            batch = [buf.popleft() for _ in range(n)]
+            commands = []
+            for i in range(0, n, wire.PER_ENTRY):
+                commands.append(
+                    self._commands.inserts(wire.pack_inserts(batch[i : i + wire.PER_ENTRY]), load)
+                )
+                load = b""  # rides with the first entry
+            data = b"".join(commands)
+        writer.write(data)
         self.counters.published += n
 
     async def _watch(self, pub: Connection) -> None:

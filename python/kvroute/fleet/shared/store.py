@@ -102,6 +102,7 @@ class StateStore(Publisher, Applier):
         self._buf_len = buffer_len
         self.members = Membership(registry, self.counters.applied, buffer_len)
         self.streams = Streams(wire.stream_of(self._rid))  # replayed from their start
+        self._commands = wire.Commands(self.streams.own, self._rid, stream_len)
         self._wake = asyncio.Event()
         # The publishing connection's writer while connected (``_unanswered``), and
         # whether a write is already scheduled for the end of this event-loop turn.

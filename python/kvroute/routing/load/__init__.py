@@ -45,7 +45,15 @@ Learned speed, per worker (so a heterogeneous fleet is told apart)
     * index trust: the share of the cached tokens the index predicted that the engine
       reported it really had (EWMA, prior 1). The index only guesses (evictions, other
       routers, restarts); where its guesses fail, a predicted match is worth that much
-      less: a request is expected to prefill ``uncached + (1 - trust) * matched``.
+      less: a request is expected to prefill ``uncached + (1 - trust) * matched``. Only
+      what the engine could report is checked: engines cache whole blocks and never a
+      prompt's last token, so the predicted match is rounded down to whole blocks of the
+      worker's cache unit, learned as the greatest common divisor of the cached counts
+      it reported (the fleet's until it has reported one); a match shorter than a block
+      is no evidence. Prompts often share a few leading tokens with one routed before (a
+      template's opening, text by chance): counted as failed predictions they took trust
+      to the share of requests that were real hits, and every long match, predicted
+      right, was then taken for a mostly cold prefill.
     * decode seconds per token: at each end with a known output length,
       ``(end - first byte) / (output tokens - 1)``, the median of the last ``WINDOW``.
     Before ``MIN_SAMPLES`` samples a worker is assumed to prefill as the fleet's typical
@@ -86,6 +94,7 @@ from kvroute.routing.load.model import (
     PRIOR_PREFILL_TPS,
     EngineReading,
     LoadModel,
+    Predictions,
     Ticket,
     WorkerWork,
     max_tokens_of,
@@ -102,6 +111,7 @@ __all__ = [
     "EngineReading",
     "LoadModel",
     "MedianEstimator",
+    "Predictions",
     "ResistantLine",
     "Ticket",
     "WorkerWork",

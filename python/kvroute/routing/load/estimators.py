@@ -23,7 +23,7 @@ class ResistantLine:
     more than rounding gives a line through the origin instead. Before ``min_samples``
     samples: the prior. Refitted at each sample, O(window log window)."""
 
-    __slots__ = ("_by_size", "intercept", "min_samples", "prior", "slope", "window")
+    __slots__ = ("_by_size", "_count", "intercept", "min_samples", "prior", "slope", "window")
 
     def __init__(
         self,
@@ -40,6 +40,7 @@ class ResistantLine:
         # The last ``window`` samples of each size class (x within a factor 2): a burst
         # of one size (cache hits under load) must not push out what other sizes taught.
         self._by_size: dict[int, deque[tuple[float, float]]] = {}
+        self._count = 0  # samples held (read at every prediction: kept, not summed)
 
     def observe(self, x: float, y: float) -> None:
         if not (x > 0 and y > 0 and math.isfinite(x) and math.isfinite(y)):
@@ -48,6 +49,8 @@ class ResistantLine:
         bucket = self._by_size.get(size)
         if bucket is None:
             bucket = self._by_size[size] = deque(maxlen=self.window)
+        if len(bucket) < self.window:
+            self._count += 1
         bucket.append((x, y))
         pts = sorted(p for b in self._by_size.values() for p in b)
         n = len(pts)
@@ -78,7 +81,7 @@ class ResistantLine:
 
     @property
     def samples(self) -> int:
-        return sum(len(b) for b in self._by_size.values())
+        return self._count
 
 
 class MedianEstimator:

@@ -3,6 +3,7 @@ docstring (``kvroute.routing.load``)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from statistics import median
@@ -48,10 +49,31 @@ class WorkerWork:
     # Share of the cached tokens the index predicts that the engine really had (from
     # usage.cached_tokens); a stale index (evictions it did not see) earns less trust.
     trust: float = 1.0
+    # The engine's cache unit in tokens, learned: the greatest common divisor of the
+    # cached counts it reported (0: none reported yet). See ``observe_reuse``.
+    grain: int = 0
     # When the last of our first bytes came back (None: unknown, or not a prefill's end),
     # and whose (ticket ids grow in routing order).
     last_first: float | None = None
     last_first_id: int = 0
+
+    def observe_reuse(self, predicted: int, reported: int, prompt: int, fleet_grain: int) -> None:
+        """One request's engine reported ``reported`` cached tokens of a ``prompt``-token
+        prompt where the index predicted ``predicted``. Trust moves towards the share of
+        the predicted tokens the engine *could* report that it did: engines cache whole
+        blocks (vLLM 16 tokens, its CPU build 128) and never the prompt's last token, so
+        only the predicted match rounded down to whole blocks (of this worker's learned
+        unit, else the fleet's, else 1) is checked. A match of a few tokens is no
+        evidence either way: prompts often share their first tokens with one routed
+        before (a template's opening, text by chance), which no engine reports cached,
+        and counted as failures they took trust to the share of requests that were real
+        hits (so every long match, predicted right, was taken for mostly cold)."""
+        if reported > 0:
+            self.grain = math.gcd(self.grain, reported)
+        unit = self.grain or fleet_grain or 1
+        checked = min(predicted, prompt - 1) // unit * unit
+        if checked > 0:
+            self.trust += TRUST_EWMA * (min(checked, reported) / checked - self.trust)
 
 
 class Ticket:
@@ -179,12 +201,36 @@ class Ticket:
             st.prefill.observe(x, self.sample)
             self._model.relearn_fleet()
         if self.reported_uncached is not None and self.predicted_cached > 0:
-            real = min(self.predicted_cached, max(0, self.prompt_tokens - self.reported_uncached))
-            st.trust += TRUST_EWMA * (real / self.predicted_cached - st.trust)
+            reported = max(0, self.prompt_tokens - self.reported_uncached)
+            model = self._model
+            if reported > 0:
+                model.grain = math.gcd(model.grain, reported)
+            st.observe_reuse(self.predicted_cached, reported, self.prompt_tokens, model.grain)
         if output_tokens is not None and output_tokens > 0:
             self._model.observe_output(output_tokens)
             if self.first_at is not None and output_tokens > 1:
                 st.decode_s.observe((now - self.first_at) / (output_tokens - 1))
+
+
+def _own(st: WorkerWork, intercept: float, slope: float, uncached: int, matched: int) -> float:
+    """``LoadModel.own_prefill`` on ``st``'s line."""
+    expect = max(0, uncached) + (1.0 - st.trust) * max(0, matched)
+    return intercept + expect * slope
+
+
+class Predictions:
+    """One request's predicted time to first token (``ttft``) and own prefill seconds
+    (``own``) per worker, as ``LoadModel.predict`` computed them for one decision."""
+
+    __slots__ = ("own", "ttft")
+
+    def __init__(self, ttft: dict[str, float], own: dict[str, float]) -> None:
+        self.ttft = ttft
+        self.own = own
+
+    def cost(self, worker: str, behind: float) -> float:
+        """``LoadModel.cost`` of the request on ``worker``."""
+        return self.ttft[worker] + behind * self.own[worker]
 
 
 class LoadModel:
@@ -207,6 +253,9 @@ class LoadModel:
         self.peer_pending: Mapping[str, int] | None = None
         self.peer_prefill: Mapping[str, int] = {}
         self.mean_output = PRIOR_OUTPUT_TOKENS
+        # The fleet's cache unit (``WorkerWork.grain`` over every worker): what a worker
+        # that has reported no cached tokens yet is assumed to cache in.
+        self.grain = 0
         self.mean_uncached = 0.0
         # (intercept, slope) of the fleet's typical worker: the median of the learned
         # lines; what a worker without samples of its own is assumed to do (None: prior).
@@ -319,6 +368,11 @@ class LoadModel:
         if st is None:
             return 0.0
         intercept, slope = self.line(st)
+        return self._ahead(worker, st, intercept, slope, size_hint)
+
+    def _ahead(
+        self, worker: str, st: WorkerWork, intercept: float, slope: float, size_hint: int
+    ) -> float:
         work = float(st.prefill_tokens)
         count = float(len(st.pending))
         if st.pending:  # the oldest is probably being prefilled: half done
@@ -330,14 +384,15 @@ class LoadModel:
             others = e.waiting - e.own_pending - e.peer_pending
             work += others * self.mean_uncached
             count += others
-        peers = self.peer.get(worker, 0)
         if self.peer_pending is not None:  # shared: their queued prefill exactly
             work += self.peer_prefill.get(worker, 0)
             count += self.peer_pending.get(worker, 0)
-        elif peers:
-            # Their size is not shared: the larger of our running mean and this one.
-            work += peers * max(self.mean_uncached, size_hint)
-            count += peers
+        else:
+            peers = self.peer.get(worker, 0)
+            if peers:
+                # Their size is not shared: the larger of our running mean and this one.
+                work += peers * max(self.mean_uncached, size_hint)
+                count += peers
         return count * intercept + work * slope
 
     def _capacity(self, worker: str, st: WorkerWork) -> int | None:
@@ -352,6 +407,9 @@ class LoadModel:
         st = self.workers.get(worker)
         if st is None:
             return 0.0
+        return self._slot_wait(worker, st)
+
+    def _slot_wait(self, worker: str, st: WorkerWork) -> float:
         cap = self._capacity(worker, st)
         if cap is None or cap < 1:
             return 0.0
@@ -371,10 +429,11 @@ class LoadModel:
         st = self.workers.get(worker)
         if st is None:
             return PRIOR_OVERHEAD_S + max(0, uncached) / PRIOR_PREFILL_TPS
+        intercept, slope = self.line(st)
         return (
-            self.ahead(worker, max(0, uncached))
-            + self.own_prefill(worker, uncached, matched)
-            + self.slot_wait(worker)
+            self._ahead(worker, st, intercept, slope, max(0, uncached))
+            + _own(st, intercept, slope, uncached, matched)
+            + self._slot_wait(worker, st)
         )
 
     def own_prefill(self, worker: str, uncached: int, matched: int = 0) -> float:
@@ -383,8 +442,7 @@ class LoadModel:
         if st is None:
             return PRIOR_OVERHEAD_S + max(0, uncached) / PRIOR_PREFILL_TPS
         intercept, slope = self.line(st)
-        expect = max(0, uncached) + (1.0 - st.trust) * max(0, matched)
-        return intercept + expect * slope
+        return _own(st, intercept, slope, uncached, matched)
 
     def cost(self, worker: str, tokens: int, matched: int, behind: float) -> float:
         """What routing a ``tokens``-long request to ``worker`` (which holds ``matched``
@@ -395,6 +453,39 @@ class LoadModel:
         return self.ttft(worker, uncached, matched) + behind * self.own_prefill(
             worker, uncached, matched
         )
+
+    def predict(
+        self, workers: Iterable[str], tokens: int, matches: Mapping[str, int]
+    ) -> Predictions:
+        """One request's ``ttft`` and ``own_prefill`` on each of ``workers`` (its
+        ``tokens`` of which ``matches`` says each worker holds how many), computed once
+        per decision: the same numbers as calling ``ttft``, ``own_prefill`` and
+        ``cost`` worker by worker."""
+        ttft: dict[str, float] = {}
+        own: dict[str, float] = {}
+        known = self.workers
+        fleet = self.fleet_line
+        # No capacity known for any worker (none fixed, learned or read): no slot wait.
+        no_caps = self.fixed_capacity is None and not self.capacities
+        for w in workers:
+            matched = matches.get(w, 0)
+            uncached = tokens - matched
+            st = known.get(w)
+            if st is None:
+                ttft[w] = own[w] = PRIOR_OVERHEAD_S + max(0, uncached) / PRIOR_PREFILL_TPS
+                continue
+            # ``line`` and ``_own`` inlined: this runs for every worker at every decision.
+            p = st.prefill
+            if fleet is None or p.samples >= MIN_SAMPLES:
+                intercept, slope = p.intercept, p.slope
+            else:
+                intercept, slope = fleet
+            if uncached < 0:
+                uncached = 0
+            o = own[w] = intercept + (uncached + (1.0 - st.trust) * max(0, matched)) * slope
+            slot = 0.0 if no_caps and st.engine is None else self._slot_wait(w, st)
+            ttft[w] = self._ahead(w, st, intercept, slope, uncached) + o + slot
+        return Predictions(ttft, own)
 
     def queued_per_worker(self, workers: Iterable[str]) -> float:
         """Mean number of requests waiting for their first byte per worker of ``workers``

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from math import isfinite
 
 from kvroute.routing.policies.base import NoWorkerError
 
@@ -64,7 +65,37 @@ class TieBreaker:
         decode will compete for slots later), then rotation."""
         if not scores:
             raise NoWorkerError("no healthy worker")
+        if len(scores) == 1 and self.per_worker and isfinite(next(iter(scores.values()))):
+            # One candidate (a single cache holder): it ties with itself.
+            (choice,) = scores
+            self._turn += 1
+            self._last[choice] = self._turn
+            if len(self._last) > 4096:
+                self._last = {choice: self._turn}
+            return choice
         best = min(scores.values())
-        tie = tie_window(best)
-        tied = {w: loads.get(w, 0) for w, t in scores.items() if t - best <= tie}
-        return self.least_loaded(tied)
+        tie = max(TIE_ABS_S, TIE_REL * best)  # tie_window(best)
+        if not self.per_worker:
+            tied = {w: loads.get(w, 0) for w, t in scores.items() if t - best <= tie}
+            return self.least_loaded(tied)
+        # ``least_loaded`` over the tied workers in one pass (it runs at every decision,
+        # up to three times): the fewest in flight, then chosen longest ago, then first.
+        last = self._last
+        choice = ""
+        key = (0, 0)
+        n = 0
+        for w, t in scores.items():
+            if t - best <= tie:
+                k = (loads.get(w, 0), last.get(w, -1))
+                if not n or k < key:
+                    choice, key = w, k
+                n += 1
+        if not n:  # no finite prediction ties with the best one
+            raise NoWorkerError("no healthy worker")
+        self._turn += 1
+        last[choice] = self._turn
+        if len(last) > 4096:  # workers that left long ago (as ``least_loaded`` prunes)
+            self._last = {
+                w: turn for w, turn in last.items() if w in scores and scores[w] - best <= tie
+            }
+        return choice

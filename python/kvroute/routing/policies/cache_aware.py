@@ -62,12 +62,15 @@ longest match are all unhealthy, the best healthy match is used instead.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import Protocol, TypeAlias
 
-from kvroute._native import PrefixIndex
-from kvroute.routing.load import LoadModel
+from kvroute._native import PrefixIndex, TokenIds
+from kvroute.routing.load import LoadModel, Predictions
 from kvroute.routing.policies._common import TieBreaker, tie_window
 from kvroute.routing.policies.base import Decision, NoWorkerError, Policy, Reason, RouteRequest
+
+# A prompt as the index takes it: as routed, or as its lookup converted it.
+Tokens: TypeAlias = Sequence[int] | TokenIds
 
 
 class PreciseSource(Protocol):
@@ -112,16 +115,17 @@ class CacheAware(Policy):
         self._tickets = 0
 
     def _precise_match(
-        self, tokens: Sequence[int], loads: Mapping[str, int]
+        self, tokens: Sequence[int], loads: Mapping[str, int], approx: dict[str, int] | None
     ) -> tuple[int, list[str], dict[str, int]] | None:
         """Best match over healthy workers mixing event-fed and predicted state, or None
-        when no worker is in precise mode."""
+        when no worker is in precise mode. ``approx``: the index's match, if looked up."""
         if self.precise is None:
             return None
         exact, trusted = self.precise.match(tokens)
         if not trusted:
             return None
-        approx = self.index.match(tokens)
+        if approx is None:
+            approx = self.index.match(tokens)
         per = {w: (exact.get(w, 0) if w in trusted else approx.get(w, 0)) for w in loads}
         for ticket, n in self._pending.match(tokens).items():
             w = ticket.partition("\0")[0]
@@ -138,49 +142,66 @@ class CacheAware(Policy):
         hi = max(loads.values())
         n = len(tokens)
         matches: dict[str, int] | None = None
+        # Work mode reads the per-worker matches and the longest one: one walk, and the
+        # tokens it converted (``ids``) go to the insert as they are.
+        looked: tuple[dict[str, int], int, list[str], Tokens] | None = None
+        ids: Tokens = tokens
         if self.work is not None:
-            matches = self.index.match(tokens) if n else {}
+            if n:
+                looked = self.index.lookup(tokens)
+                matches, ids = looked[0], looked[3]
+            else:
+                matches = {}
         if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
-            worker = self._least(loads, None, n, matches)
-            return self._record(self._decision(worker, "imbalance", 0, matches), tokens)
-        precise = self._precise_match(tokens, loads) if n else None
+            worker = self._least(loads, None, self._predict(loads, n, matches))
+            return self._record(self._decision(worker, "imbalance", 0, matches), n, ids)
+        approx = looked[0] if looked is not None else None
+        precise = (
+            self._precise_match(tokens, loads, approx) if n and self.precise is not None else None
+        )
         if precise is not None:
             matched, healthy, per = precise
             if matches is not None:
                 matches = per
         else:
-            matched, holders = self.index.longest_match(tokens) if n else (0, [])
+            if looked is not None:
+                _, matched, holders, _ = looked
+            else:
+                matched, holders = self.index.longest_match(tokens) if n else (0, [])
             healthy = [w for w in holders if w in loads]
         if matched and not healthy:
             # The deepest holders are down: fall back to the best healthy match.
-            per_worker = {w: m for w, m in self.index.match(tokens).items() if w in loads}
+            if approx is None:
+                approx = self.index.match(tokens)
+            per_worker = {w: m for w, m in approx.items() if w in loads}
             if per_worker:
                 matched = max(per_worker.values())
                 healthy = [w for w, m in per_worker.items() if m == matched]
             else:
                 matched = 0
         reason: Reason
+        pred = self._predict(loads, n, matches)
         if n and healthy and matched / n > self.cache_threshold:
-            worker = self._least(loads, healthy, n, matches)
+            worker = self._least(loads, healthy, pred)
             reason = "cache_hit"
-            alt = self._cheaper(worker, loads, n, matches)
+            alt = self._cheaper(worker, loads, pred)
             if alt is not None:
                 worker, reason, matched = alt, "overflow", 0
             elif self._full(worker, loads):
                 free = [w for w in loads if not self._full(w, loads)]
                 if free:
-                    alt = self._least(loads, free, n, matches)
-                    if self._sooner(alt, worker, n, matches):
+                    alt = self._least(loads, free, pred)
+                    if self._sooner(alt, worker, pred):
                         worker = alt
                         reason = "overflow"
                         matched = 0
         else:
-            worker = self._least(loads, None, n, matches)
+            worker = self._least(loads, None, pred)
             reason = "cache_miss"
             matched = 0 if worker not in healthy else matched
         decision = self._decision(worker, reason, matched, matches)
         decision.precise = precise is not None
-        return self._record(decision, tokens)
+        return self._record(decision, n, ids)
 
     def _decision(
         self, worker: str, reason: Reason, matched: int, matches: dict[str, int] | None
@@ -192,49 +213,53 @@ class CacheAware(Policy):
             d.cached_tokens = matches.get(worker, 0)
         return d
 
+    def _predict(
+        self, loads: Mapping[str, int], n: int, matches: dict[str, int] | None
+    ) -> Predictions | None:
+        """This request's predicted TTFT on every healthy worker, once per decision
+        (``work``; None on counts)."""
+        if self.work is None or matches is None:
+            return None
+        return self.work.predict(loads, n, matches)
+
     def _least(
-        self,
-        loads: Mapping[str, int],
-        among: Sequence[str] | None,
-        n: int,
-        matches: dict[str, int] | None,
+        self, loads: Mapping[str, int], among: Sequence[str] | None, pred: Predictions | None
     ) -> str:
         """Least loaded: by request count (``requests``) or by this request's predicted
         TTFT (``work``); exact ties rotate."""
-        work = self.work
-        if work is None or matches is None:
+        if pred is None:
             return self._ties.least_loaded(loads, among)
-        candidates = list(loads) if among is None else [w for w in among if w in loads]
-        ttft = {w: work.ttft(w, n - matches.get(w, 0), matches.get(w, 0)) for w in candidates}
-        return self._ties.least_by(ttft, loads)
+        if among is None:
+            return self._ties.least_by(pred.ttft, loads)
+        ttft = pred.ttft
+        return self._ties.least_by({w: ttft[w] for w in among if w in loads}, loads)
 
-    def _sooner(self, alt: str, holder: str, n: int, matches: dict[str, int] | None) -> bool:
+    def _sooner(self, alt: str, holder: str, pred: Predictions | None) -> bool:
         """Guard: does moving off the full ``holder`` to ``alt`` pay? (always, on counts)"""
-        work = self.work
-        if work is None or matches is None:
+        if pred is None:
             return True
-        m_alt, m_holder = matches.get(alt, 0), matches.get(holder, 0)
-        return work.ttft(alt, n - m_alt, m_alt) < work.ttft(holder, n - m_holder, m_holder)
+        return pred.ttft[alt] < pred.ttft[holder]
 
     def _cheaper(
-        self, holder: str, loads: Mapping[str, int], n: int, matches: dict[str, int] | None
+        self, holder: str, loads: Mapping[str, int], pred: Predictions | None
     ) -> str | None:
         """Work guard: the worker that costs less than the cache ``holder`` for this
         request (``LoadModel.cost``: its TTFT there plus the delay its prefill adds to
         the requests queued behind it), or None (always, on counts)."""
         work = self.work
-        if work is None or matches is None:
+        if work is None or pred is None:
             return None
         behind = work.queued_per_worker(loads)
-        cost = {w: work.cost(w, n, matches.get(w, 0), behind) for w in loads}
+        cost = {w: pred.cost(w, behind) for w in loads}
         alt = self._ties.least_by(cost, loads)
         if cost[holder] - cost[alt] <= tie_window(cost[alt]):
             return None
         return alt
 
-    def _record(self, decision: Decision, tokens: Sequence[int]) -> Decision:
-        """The chosen worker now holds ``tokens`` (predicted; pending in precise mode)."""
-        if len(tokens):
+    def _record(self, decision: Decision, n: int, tokens: Tokens) -> Decision:
+        """The chosen worker now holds ``tokens``, ``n`` of them (predicted; pending in
+        precise mode)."""
+        if n:
             decision.held_before = self.index.insert(decision.worker, tokens)
             if self.precise is not None:
                 self._tickets += 1

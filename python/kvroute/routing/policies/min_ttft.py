@@ -37,7 +37,8 @@ does); the caller reserves the predicted work (``LoadModel.reserve``) in the sam
 so the next decision already sees it. Reasons: ``cache_hit`` (the chosen worker holds
 the longest match), ``overflow`` (a worker with a longer match was passed over because
 its queue costs more than the prefill it saves), ``cache_miss`` (no worker holds any of
-the prompt).
+the prompt, or only a prefix whose prefill saving is within the tie window: a few
+leading tokens shared by chance are no hit, and passing them over is no overflow).
 """
 
 from __future__ import annotations
@@ -74,15 +75,13 @@ class MinTtft(Policy):
         matches = self.index.match(tokens) if n else {}
         work = self.work
         behind = work.queued_per_worker(loads)
-        scored = []
-        for w in loads:
-            m = matches.get(w, 0)
-            scored.append((work.cost(w, n, m, behind), -m, w))
+        pred = work.predict(loads, n, matches)
+        scored = [(pred.cost(w, behind), -matches.get(w, 0), w) for w in loads]
+        best_t = min(s[0] for s in scored)
+        tie = tie_window(best_t)
         if self.temperature > 0 and len(scored) > 1:
             worker = self._sample(scored)
         else:
-            best_t = min(s[0] for s in scored)
-            tie = tie_window(best_t)
             near = [s for s in scored if s[0] - best_t <= tie]
             # Prefill time each near worker's match saves; a longer match wins only
             # by more than the tie window.
@@ -92,9 +91,10 @@ class MinTtft(Policy):
                 {w: loads[w] for w, s in saved.items() if most - s <= tie}
             )
         matched = matches.get(worker, 0)
-        longest = max(matches.values(), default=0) if matches else 0
+        longest, holder = max(((m, w) for w, m in matches.items()), default=(0, worker))
         reason: Reason
-        if longest == 0:
+        if longest == 0 or longest / work.prefill_rate(holder) <= tie:
+            # Nothing held, or a few tokens shared by chance: a tie, deciding nothing.
             reason = "cache_miss"
         elif matched >= longest:
             reason = "cache_hit"
