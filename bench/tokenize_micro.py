@@ -2,21 +2,22 @@
 
 Chat requests like the overhead bench's (one of 8 long system prompts, then a fresh user
 message) go through ``PromptTokenizer`` with the shipped Qwen3 tokenizer, once with the
-``tokenizers`` encoder, once with the exact fast BPE (``kvroute.routing.bpe``) and once
-with the fast BPE and the cache of rendered chat templates
-(``kvroute.routing.template_cache``), interleaved round by round so machine noise hits
-all alike. CPU time
-(``time.process_time``) per request; the first round warms the caches and is not counted. The
-chat template is rendered as ``serve`` renders it (sandboxed, in its thread pool), in
-full in the first two variants.
+``tokenizers`` encoder, once with tiktoken's exact BPE (``kvroute.routing.bpe`` with the
+native encoder off), once with that and the cache of rendered chat templates
+(``kvroute.routing.template_cache``), and once with the native exact BPE
+(``kvroute.routing.native_bpe``) and the template cache (the default), interleaved round
+by round so machine noise hits all alike. CPU time (``time.process_time``) per request;
+the first round warms the caches and is not counted. The chat template is rendered as
+``serve`` renders it (sandboxed, in its thread pool), in full in the first two variants.
 
     python bench/tokenize_micro.py --requests 200 --rounds 5
     python bench/tokenize_micro.py --requests 200 --rounds 5 --turns 4   # histories
     python bench/tokenize_micro.py --requests 200 --rounds 5 --ascii    # ASCII words only
     python bench/tokenize_micro.py --offload   # the thread hop against encoding inline
+    python bench/tokenize_micro.py --encoders --ascii   # the encoder calls alone
 
-The variant "fast BPE, lookahead kept" is the fast BPE with its lookahead-free split
-turned off (``kvroute.routing.bpe``, "Whitespace lookahead"): the split as it was.
+``--encoders`` measures the encoder calls alone on the user messages (no template, no
+segment cache): ``tokenizers``, tiktoken's BPE and the native one, per message.
 
 A second table compares routing the same requests with ``cache_aware --load-metric
 requests`` (two workers, idle) on the whole prompt and with decide first
@@ -28,10 +29,13 @@ decision), in the same interleaved rounds.
 from __future__ import annotations
 
 import argparse
+import array
 import asyncio
 import random
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 from kvroute._native import PrefixIndex
 from kvroute.routing.decide_first import decide_on
@@ -60,6 +64,11 @@ def main() -> None:
         help="ASCII words only (as bench/router_overhead.py's prompts), no accents, CJK or emoji",
     )
     p.add_argument(
+        "--encoders",
+        action="store_true",
+        help="measure the encoder calls alone on the user messages, and exit",
+    )
+    p.add_argument(
         "--offload",
         action="store_true",
         help="measure what a thread hop costs against encoding on the loop, and exit",
@@ -79,13 +88,13 @@ def main() -> None:
     qwen = default_tokenizer_dir()
     variants = {
         "tokenizers": PromptTokenizer(qwen, fast_bpe=False, template_cache=False),
-        "fast BPE": PromptTokenizer(qwen, template_cache=False),
-        "fast BPE + template cache, lookahead kept": PromptTokenizer(qwen),
-        "fast BPE + template cache": PromptTokenizer(qwen),
+        "tiktoken BPE": PromptTokenizer(qwen, template_cache=False, native_bpe=False),
+        "tiktoken BPE + template cache": PromptTokenizer(qwen, native_bpe=False),
+        "native BPE + template cache": PromptTokenizer(qwen),
     }
-    kept = variants["fast BPE + template cache, lookahead kept"]._bpe
-    if kept is not None:
-        kept._plain = None
+    if args.encoders:
+        encoder_costs(variants["native BPE + template cache"], text, args)
+        return
     cpu: dict[str, list[float]] = {k: [] for k in variants}
     loads = {"w0": 0, "w1": 0}
 
@@ -155,7 +164,7 @@ def main() -> None:
     for name, values in cpu.items():
         med = statistics.median(values[1:])
         print(f"| {name} ({variants[name].encoder}) | {med:.0f} | {med / base:.2f}x |")
-    cached = variants["fast BPE + template cache"].template_stats()
+    cached = variants["native BPE + template cache"].template_stats()
     print(f"\ntemplate cache: {cached['hits']} hits, {cached['misses']} misses\n")
     print("| route | CPU µs to the decision | ratio | CPU µs in all | ratio |")
     print("|---|---:|---:|---:|---:|")
@@ -166,6 +175,39 @@ def main() -> None:
         a = statistics.median(total[name][1:])
         print(f"| {name} | {d:.0f} | {d / d0:.2f}x | {a:.0f} | {a / a0:.2f}x |")
     print(f"\ndecided early: {n_early} of {args.requests * args.rounds} requests")
+
+
+def encoder_costs(tok: PromptTokenizer, text: Callable[[int], str], args: Any) -> None:
+    """CPU per user message of each encoder alone, interleaved round by round."""
+    bpe = tok._bpe
+    assert bpe is not None and bpe.native is not None, "the native BPE is needed"
+    fast = tok._fast
+    encoders: dict[str, Callable[[str], object]] = {
+        "tokenizers": lambda t: array.array(
+            "I", fast.encode_batch([t], add_special_tokens=False)[0].ids
+        ),
+        "tiktoken BPE": lambda t: array.array("I", bpe.encode_tiktoken(t)),
+        "native BPE": bpe.encode_ids,
+    }
+    cpu: dict[str, list[float]] = {k: [] for k in encoders}
+    n_tokens = n_chars = 0
+    for _ in range(args.rounds):
+        texts = [text(args.user_words) for _ in range(args.requests)]
+        n_chars += sum(map(len, texts))
+        n_tokens += sum(len(bpe.encode_ids(t)) for t in texts)
+        for name, encode in encoders.items():
+            t0 = time.process_time()
+            for t in texts:
+                encode(t)
+            cpu[name].append((time.process_time() - t0) / len(texts) * 1e6)
+    n = args.rounds * args.requests
+    print(f"{n_chars / n:.0f} characters, {n_tokens / n:.0f} tokens per message\n")
+    print("| encoder | CPU µs / message (median of rounds after the first) | ratio |")
+    print("|---|---:|---:|")
+    base = statistics.median(cpu["tokenizers"][1:])
+    for name, values in cpu.items():
+        med = statistics.median(values[1:])
+        print(f"| {name} | {med:.1f} | {med / base:.3f}x |")
 
 
 def offload_costs(rng: random.Random) -> None:
@@ -194,7 +236,7 @@ def offload_costs(rng: random.Random) -> None:
         texts = [make()[:8192] for _ in range(30)]
         t0 = time.process_time()
         for t in texts:
-            bpe.encode(t)
+            bpe.encode_ids(t)
         per = (time.process_time() - t0) / sum(map(len, texts))
         print(f"| {name} | {per * 1e9:.0f} | {per * 2048e6:.0f} | {per * 6144e6:.0f} |")
 

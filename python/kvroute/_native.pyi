@@ -1,7 +1,7 @@
 """Type stubs for the Rust extension ``kvroute._native``."""
 
 import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TypeAlias, final
 
 from typing_extensions import Buffer
@@ -170,4 +170,60 @@ def utf8_token_ids(text: str) -> array.array[int]:
     ``surrogatepass`` encodes them): the no-tokenizer mode's prompt, as an
     ``array.array('I')``, built in one native pass."""
 
-__all__ = ["BlockIndex", "PrefixIndex", "TokenIds", "UnknownParentError", "utf8_token_ids"]
+# Exact byte-level BPE (rust/src/bpe/; built and checked by kvroute.routing.native_bpe).
+
+@final
+class BpeEncoder:
+    """Exact byte-level BPE for the pre-tokenizers of Qwen2/3, Llama 3 and DeepSeek V3:
+    a hand-written pre-tokenizer for their exact regexes, Unicode classes as the
+    ``tokenizers`` regex engine has them, and ``tokenizers``' merge procedure over the
+    merge list. Immutable and thread-safe; the GIL is released while it works.
+    """
+
+    def __new__(
+        cls,
+        vocab: Mapping[bytes, int],
+        merges: Iterable[tuple[bytes, bytes]],
+        patterns: Sequence[str],
+        ignore_merges: bool = False,
+        refused: _Tokens | None = None,
+    ) -> BpeEncoder:
+        """Build from the vocabulary (each token's bytes and ID, special tokens left
+        out), the merge list in order (each pair's bytes), the pre-tokenizer's regexes in
+        order and the model's ``ignore_merges``. ``refused``: code points whose texts
+        ``encode`` declines. Raises ValueError when the patterns are not a scheme it
+        reproduces (exact strings), or the merges name tokens the vocabulary lacks, or a
+        byte has no token.
+        """
+
+    def encode(self, text: str) -> array.array[int] | None:
+        """The token IDs of ``text`` (normalized, special tokens split out) as an
+        ``array('I')``, or None when ``text`` holds a refused code point or a lone
+        surrogate (encode it the reference way)."""
+
+    def split(self, text: str) -> list[str]:
+        """The pre-tokenizer's pieces of ``text``, in order (they join to ``text``)."""
+
+    @property
+    def scheme(self) -> str:
+        """The pre-tokenizer: ``"qwen2"``, ``"llama3"`` or ``"deepseek-v3"``."""
+
+    @property
+    def whole_tokens(self) -> int:
+        """Tokens found by one lookup when a piece is exactly one (every token its own
+        bytes merge into, with ``ignore_merges`` every token)."""
+
+def bpe_char_classes(text: str) -> bytes:
+    """One byte of flags per character of ``text`` as ``BpeEncoder`` classifies it: 1
+    letter (``\\p{L}``), 2 number (``\\p{N}``), 4 whitespace (``\\s``), 8 mark, 16
+    punctuation, 32 symbol."""
+
+__all__ = [
+    "BlockIndex",
+    "BpeEncoder",
+    "PrefixIndex",
+    "TokenIds",
+    "UnknownParentError",
+    "bpe_char_classes",
+    "utf8_token_ids",
+]

@@ -13,3 +13,8 @@ mod python;
 
 pub use blocks::{BlockIndex, EventError};
 pub use tree::{IndexStats, Lookup, PrefixIndex, Walk};
+
+// Exact byte-level BPE (tokenization for routing); kept apart from the index modules.
+pub mod bpe;
+#[cfg(feature = "python")]
+mod python_bpe;

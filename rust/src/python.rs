@@ -604,5 +604,6 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "UnknownParentError",
         m.py().get_type::<UnknownParentError>(),
     )?;
+    crate::python_bpe::add(m)?;
     Ok(())
 }

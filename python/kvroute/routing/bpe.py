@@ -49,13 +49,17 @@ splits them out first, as ``tokenizers`` does before BPE.
 
 from __future__ import annotations
 
+import array
 import json
 import re
 import unicodedata
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvroute._native import BpeEncoder
 
 # GPT-2's pre-tokenizer regex: what ByteLevel(use_regex=True) applies.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -89,6 +93,10 @@ SAMPLES = (
     "zero\u200bwidth\u200djoiner\ufeffbom \U0001f9d1\u200d\U0001f4bb",
     "a" * 300 + " " + "ab" * 100 + "\n" * 40 + "-" * 80,
     "Ünïcödé ŁÓDŹ straße ﬁ ligature ½ ² ⁿ ℕ",
+    # Case folding in contractions, format characters before letters, numbers in runs.
+    "it'\u017fs THEY'LL 'twas '\u212a x\u200dy \u2066rtl\u2069 ١٢٣٤٥ ⅻ 12345678",
+    # Letters from Unicode 15, 15.1 and 16: the classes must be the engine's version's.
+    "\U0001e030\U00011f04 \U00031350\U0002ebf0 \U00010d50a ok",
 )
 
 
@@ -230,9 +238,17 @@ class FastBPE:
         import tiktoken
 
         # Texts with characters newer than Python's Unicode database go to ``fallback``
-        # (the reference encoder), when there is one (see ``unassigned``).
+        # (the reference encoder), when there is one (see ``unassigned``); with NFC, so
+        # do those Python normalizes unlike ``tokenizers`` (``refused``).
         self._fallback = fallback
         self._unassigned = unassigned() if fallback is not None else None
+        if self._unassigned is not None and nfc:
+            from kvroute.routing.native_bpe import nfc_disagreements
+
+            self._unassigned = self._unassigned.copy()
+            self._unassigned[list(nfc_disagreements())] = True
+        # The native encoder, when ``load`` found it identical (it then encodes).
+        self.native: BpeEncoder | None = None
 
         def encoding(name: str, pattern: str) -> tiktoken.Encoding:
             return tiktoken.Encoding(
@@ -336,7 +352,33 @@ class FastBPE:
             return b"  " not in text.encode("ascii").translate(self._ascii_runs)
         return self._runs.search(text) is None
 
+    def refused(self) -> Any:
+        """The code points whose texts go to the reference encoder (a ``uint32`` array),
+        or None."""
+        import numpy
+
+        if self._unassigned is None:
+            return None
+        return numpy.flatnonzero(self._unassigned).astype(numpy.uint32)
+
+    def encode_ids(self, text: str) -> array.array[int]:
+        """``encode`` as an ``array('I')``; the native encoder's when there is one."""
+        native = self.native
+        if native is None:
+            return array.array("I", self.encode_tiktoken(text))
+        ids = native.encode(self.normalize(text))
+        if ids is None:
+            # A refused character (the same set sends the text on to the reference
+            # encoder there), or a lone surrogate (tiktoken's replacement, as before).
+            return array.array("I", self.encode_tiktoken(text))
+        return ids
+
     def encode(self, text: str) -> list[int]:
+        """The token IDs of ``text`` (without special tokens)."""
+        return self.encode_ids(text).tolist()
+
+    def encode_tiktoken(self, text: str) -> list[int]:
+        """``encode`` through tiktoken, whether or not the native encoder is there."""
         if self._fallback is not None and self._recent(text):
             return self._fallback(text)
         text = self.normalize(text)
@@ -380,11 +422,18 @@ def _isolate(patterns: Sequence[Any], text: str) -> Sequence[str]:
 
 
 def load(
-    tokenizer_json: str | Path, reference: Callable[[list[str]], list[list[int]]]
+    tokenizer_json: str | Path,
+    reference: Callable[[list[str]], list[list[int]]],
+    native: bool = True,
 ) -> tuple[FastBPE | None, str]:
     """The fast encoder for ``tokenizer_json`` (a path, or the JSON text itself as
     ``tokenizers.Tokenizer.to_str()`` gives it), or None and the reason it was refused.
-    ``reference`` encodes a batch of texts without special tokens the trusted way."""
+    ``reference`` encodes a batch of texts without special tokens the trusted way.
+
+    The chain: the native encoder (``kvroute.routing.native_bpe``) where it reproduces
+    the tokenizer, else tiktoken's, else None (the caller keeps ``tokenizers``); the
+    reason says which, and why the native one is not used (its patterns, its model, or
+    the sample). ``native=False`` stops at tiktoken's."""
     try:
         if isinstance(tokenizer_json, str) and tokenizer_json.lstrip().startswith("{"):
             spec = json.loads(tokenizer_json)
@@ -393,15 +442,30 @@ def load(
         nfc = _normalizer(spec.get("normalizer"))
         patterns = _patterns(spec.get("pre_tokenizer"))
         added = {t["content"] for t in spec.get("added_tokens") or []}
-        fast = FastBPE(
-            _ranks(spec["model"], added), patterns, nfc, lambda text: reference([text])[0]
-        )
+        ranks = _ranks(spec["model"], added)
+        fast = FastBPE(ranks, patterns, nfc, lambda text: reference([text])[0])
     except Unsupported as e:
         return None, str(e)
     except (OSError, ValueError, KeyError, TypeError, ImportError) as e:
         return None, f"cannot build it: {type(e).__name__}: {e}"
     expected = reference(list(SAMPLES))
     for text, ids in zip(SAMPLES, expected, strict=True):
-        if fast.encode(text) != ids:
+        if fast.encode_tiktoken(text) != ids:
             return None, f"differs from the tokenizer on the sample {text[:40]!r}"
-    return fast, "identical on the load-time sample"
+    if not native:
+        return fast, "tiktoken, identical on the load-time sample"
+    from kvroute.routing import native_bpe
+
+    # Its classes are the regex engine's own (tested over every code point), so only
+    # normalization needs texts sent on: with NFC, those ``refused`` lists.
+    refused = fast.refused() if nfc else None
+    encoder, why = native_bpe.build(ranks, spec["model"], byte_decoder(), patterns, refused)
+    if encoder is not None:
+        fast.native = encoder
+        for text, ids in zip(SAMPLES, expected, strict=True):
+            if fast.encode(text) != ids:
+                fast.native, why = None, f"differs from the tokenizer on the sample {text[:40]!r}"
+                break
+    if fast.native is None:
+        return fast, f"tiktoken, identical on the load-time sample; native encoder not used ({why})"
+    return fast, f"native, {why}, identical on the load-time sample"

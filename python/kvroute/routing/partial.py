@@ -87,7 +87,7 @@ def finish(tok: Any, prompt: Prompt) -> array.array[int]:
     found = tok._encode_missing(others) if others else {}
     out = array.array("I", known)
     if prompt.rest is not None and tok._bpe is not None:
-        rest_ids = array.array("I", tok._bpe.encode(prompt.rest))
+        rest_ids = tok._bpe.encode_ids(prompt.rest)
         ids = known[len(known) - prompt.head :]
         ids.extend(rest_ids)
         tok._store({piece: ids})

@@ -155,6 +155,7 @@ class PromptTokenizer:
         template_timeout_s: float = 2.0,
         fast_bpe: bool = True,
         template_cache: bool = True,
+        native_bpe: bool = True,
     ) -> None:
         self.tokenizer_dir = tokenizer_dir
         self.cache_size = cache_size
@@ -170,8 +171,9 @@ class PromptTokenizer:
         self.cache_misses = 0
         self._tok: Any = None
         self._fast: Any = None
-        # The exact byte-level BPE encoder (kvroute.routing.bpe) when it reproduces the
-        # tokenizer; None: the Rust tokenizer's own pipeline.
+        # The exact byte-level BPE encoder (kvroute.routing.bpe; its native core where
+        # that reproduces the tokenizer too, unless ``native_bpe`` is off) when it
+        # reproduces the tokenizer; None: the Rust tokenizer's own pipeline.
         self._bpe: FastBPE | None = None
         self._special: re.Pattern[str] | None = None
         self._special_ids: dict[str, int] = {}
@@ -185,7 +187,7 @@ class PromptTokenizer:
         if tokenizer_dir is not None:
             self._load(tokenizer_dir)
             if fast_bpe:
-                self._bpe = self._load_bpe()
+                self._bpe = self._load_bpe(native_bpe)
             if template_cache and self._template is not None:
                 source = chat_template_source(self._tok)
                 why = why_not_cacheable(source) if source is not None else "no source"
@@ -194,7 +196,7 @@ class PromptTokenizer:
                 else:
                     log.info("tokenizer: chat template renders not cached (%s)", why)
 
-    def _load_bpe(self) -> FastBPE | None:
+    def _load_bpe(self, native: bool) -> FastBPE | None:
         fast = self._fast
         if fast is None or not hasattr(fast, "to_str"):
             log.info("tokenizer: no Rust tokenizer, the tokenizer's own encoder is used")
@@ -205,7 +207,7 @@ class PromptTokenizer:
 
         # Built from the pipeline transformers actually runs, not tokenizer.json: a
         # tokenizer class may replace the file's pre-tokenizer with its own (Qwen2's does).
-        encoder, why = bpe.load(fast.to_str(), reference)
+        encoder, why = bpe.load(fast.to_str(), reference, native)
         if encoder is None:
             log.info("tokenizer: fast BPE not used (%s); the tokenizer's own encoder is", why)
         else:
@@ -214,10 +216,13 @@ class PromptTokenizer:
 
     @property
     def encoder(self) -> str:
-        """Which encoder turns text into IDs: ``fast-bpe``, ``tokenizers`` or ``bytes``."""
+        """Which encoder turns text into IDs: ``native-bpe`` (the extension's), ``fast-bpe``
+        (tiktoken's), ``tokenizers`` or ``bytes``."""
         if self._tok is None:
             return "bytes"
-        return "fast-bpe" if self._bpe is not None else "tokenizers"
+        if self._bpe is None:
+            return "tokenizers"
+        return "native-bpe" if self._bpe.native is not None else "fast-bpe"
 
     def _load(self, tokenizer_dir: str) -> None:
         # The Rust tokenizer's rayon threads spin after every call; the router encodes
@@ -284,7 +289,7 @@ class PromptTokenizer:
         """Encode ``texts`` in one call (the GIL is released while the Rust tokenizer
         works) and cache the results."""
         if self._bpe is not None:
-            encoded = [array.array("I", self._bpe.encode(t)) for t in texts]
+            encoded = [self._bpe.encode_ids(t) for t in texts]
         elif self._fast is not None:
             # The Rust tokenizer directly, without character offsets: transformers'
             # encode adds batching and padding logic, offsets ~15% more time.
