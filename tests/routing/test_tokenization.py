@@ -145,7 +145,7 @@ async def test_long_text_encoding_leaves_the_event_loop_free() -> None:
         await started.wait()  # the encode has started: the loop runs this meanwhile
         loop_ran.set()
 
-    long_prompt = "a long document line. " * 2000
+    long_prompt = "a long document line. " * 4000
     ticker = asyncio.create_task(tick())
     ids = await tok.tokens_for("completions", {"prompt": long_prompt})
     assert ticker.done()
@@ -159,21 +159,31 @@ async def test_long_text_encoding_leaves_the_event_loop_free() -> None:
 
 @needs_qwen
 @pytest.mark.parametrize(
-    ("text", "in_thread"),
+    ("native", "text", "in_thread"),
     [
-        ("word " * 1000, False),  # 5,000 ASCII characters: cheaper than the hop
-        ("word " * 1300, True),  # 6,500
-        ("東京 " * 660, False),  # 1,980 non-ASCII characters (weighed 3 each)
-        ("東京 " * 700, True),  # 2,100
+        # The native encoder: ASCII up to 40,000 characters, other text up to 3,200.
+        (True, "word " * 7900, False),  # 39,500 ASCII characters
+        (True, "word " * 8100, True),  # 40,500
+        (True, "東京 " * 1050, False),  # 3,150 non-ASCII characters
+        (True, "東京 " * 1080, True),  # 3,240
+        # tiktoken's: ASCII up to 6,349, other text up to 2,352.
+        (False, "word " * 1000, False),  # 5,000
+        (False, "word " * 1300, True),  # 6,500
+        (False, "東京 " * 780, False),  # 2,340
+        (False, "東京 " * 800, True),  # 2,400
     ],
 )
-async def test_the_thread_hop_is_taken_by_the_encoding_cost(text: str, in_thread: bool) -> None:
-    """ASCII text is encoded on the loop up to 6,144 characters, other text up to 2,048
-    (it is ~3x slower per character), in a thread past that; the same IDs either way."""
+async def test_the_thread_hop_is_taken_by_the_encoding_cost(
+    native: bool, text: str, in_thread: bool
+) -> None:
+    """Text is encoded on the loop while the encoder in use would take at most
+    ``LOOP_BUDGET_NS`` over it (by its speed on ASCII and on other text), in a thread
+    past that; the same IDs either way."""
     import threading
 
     assert QWEN is not None
-    tok = PromptTokenizer(QWEN)
+    tok = PromptTokenizer(QWEN, native_bpe=native)
+    assert tok.encoder == ("native-bpe" if native else "fast-bpe")
     encode = tok._encode_missing
     threads: list[int] = []
 

@@ -63,22 +63,29 @@ log = logging.getLogger("kvroute.routing.tokenization")
 # (a 1,500-ID segment: 0.2 µs, against 15 µs from a tuple of ints).
 IDs: TypeAlias = "array.array[int]"
 
-# Text still to encode past this cost goes to a worker thread; below it, it is encoded on
-# the event loop, which it blocks meanwhile. A thread hop costs ~70 µs of CPU (two
-# wake-ups; ``bench/tokenize_micro.py --offload``), as much as encoding ~2,500 characters
-# of ASCII prose, so short texts stay inline. The cost counts an ASCII character 1 and
-# any other 3: the fast BPE takes 25-60 ns per ASCII character (prose, indented code)
-# and up to ~170 ns per CJK character or emoji, so the loop is blocked at most ~0.4 ms
-# (6,144 characters of code, or 2,048 of CJK) on this project's machine.
-OFFLOAD_COST = 6144
+# Text still to encode goes to a worker thread when encoding it would hold the event loop
+# longer than ``LOOP_BUDGET_NS``; below that it is encoded on the loop, which it blocks
+# meanwhile. A thread hop costs ~70-80 µs of CPU (two wake-ups; ``bench/tokenize_micro.py
+# --offload``), so short texts stay inline. Each encoder's speed per character (an ASCII
+# text's, any other text's: CJK and emoji are several times slower), measured on this
+# project's 2-core machine, the slower kind of text of each class (indented code, CJK):
+LOOP_BUDGET_NS = 400_000
+ENCODE_NS = {
+    "native-bpe": (10, 125),  # ASCII up to 40,000 characters on the loop, other 3,200
+    "fast-bpe": (63, 170),  # tiktoken: 6,349 and 2,352
+    "tokenizers": (225, 610),  # 1,777 and 655
+    "bytes": (0, 0),  # UTF-8 widened natively: never worth a hop
+}
 
 
-def offload(texts: Iterable[str]) -> bool:
-    """Whether encoding ``texts`` should leave the event loop (``OFFLOAD_COST``)."""
+def offload(texts: Iterable[str], speed: tuple[int, int]) -> bool:
+    """Whether encoding ``texts`` at ``speed`` (ns per ASCII character, per other
+    character) would hold the event loop past ``LOOP_BUDGET_NS``."""
+    ascii_ns, other_ns = speed
     cost = 0
     for text in texts:
-        cost += len(text) if text.isascii() else 3 * len(text)
-    return cost > OFFLOAD_COST
+        cost += len(text) * (ascii_ns if text.isascii() else other_ns)
+    return cost > LOOP_BUDGET_NS
 
 
 def default_tokenizer_dir() -> str | None:
@@ -224,6 +231,11 @@ class PromptTokenizer:
             return "tokenizers"
         return "native-bpe" if self._bpe.native is not None else "fast-bpe"
 
+    @property
+    def encode_ns(self) -> tuple[int, int]:
+        """The encoder's CPU per character (ASCII text's, other text's), for ``offload``."""
+        return ENCODE_NS[self.encoder]
+
     def _load(self, tokenizer_dir: str) -> None:
         # The Rust tokenizer's rayon threads spin after every call; the router encodes
         # one text per call, so parallelism only burns CPU (+30-50% per encode,
@@ -354,7 +366,7 @@ class PromptTokenizer:
         parts, missing = self._lookup(self._pieces(text))
         if not missing:
             found: dict[str, IDs] = {}
-        elif offload(missing):
+        elif offload(missing, self.encode_ns):
             found = await asyncio.to_thread(self._encode_missing, missing)
         else:
             found = self._encode_missing(missing)
@@ -547,7 +559,7 @@ class PromptTokenizer:
     async def finish_async(self, prompt: Prompt) -> array.array[int]:
         """``finish`` in a worker thread when the text left is long (as
         ``encode_text_async``), else on the loop."""
-        if offload(prompt.pending):
+        if offload(prompt.pending, self.encode_ns):
             return await asyncio.to_thread(self.finish, prompt)
         return self.finish(prompt)
 

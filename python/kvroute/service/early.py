@@ -88,7 +88,7 @@ class EarlyRouting:
             tail = Tail(lambda: s.tokenizer.finish(prompt), done)
             s.tokenizer.tails.add(tail)
             loop = asyncio.get_running_loop()
-            if not offload(prompt.pending):
+            if not offload(prompt.pending, s.tokenizer.encode_ns):
                 loop.call_soon(self._settle, tail)  # cheaper than a task or a thread hop
                 return
             task = loop.create_task(self._finish(tail, prompt))
