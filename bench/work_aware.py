@@ -244,6 +244,13 @@ def main() -> int:
         help="no capacity sweep: the table at the workload's own arrival times (the "
         "Mooncake trace's timestamps), capacity not reported",
     )
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="no capacity sweep: the table at this Poisson rate (at_rate's draw; with "
+        "workload seed 0 the same arrivals as bench/routing_quality.py --rate)",
+    )
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     p.add_argument(
         "--as-text",
@@ -268,7 +275,8 @@ def main() -> int:
         reqs = sc.build()
         prep = prepare(as_text(reqs) if args.as_text else reqs, sc.cfg.block_size)
         bound = upper_bound(prep)
-        bnd = bounds(sc, prep, args.slo, not args.no_sweep)
+        sweep = not args.no_sweep and args.rate is None
+        bnd = bounds(sc, prep, args.slo, sweep)
         if args.bounds_only:
             base_row, base_cap = stored(args.against, sc.name)
             print(
@@ -283,10 +291,10 @@ def main() -> int:
         tps = sum(c.prefill_tokens_per_s for c in sc.cfg.costs())
         r0 = tps / (prep.prompt_tokens / len(prep.requests)) / 4
         caps: dict[str, float] = {}
-        if not args.no_sweep:
+        if sweep:
             for label, pol, settings in POLICIES:
                 caps[label], _ = capacity(prep, pol, settings, sc.cfg, args, r0)
-        rate = args.load * caps[BASELINE] if caps else 0.0
+        rate = args.load * caps[BASELINE] if caps else (args.rate or 0.0)
         rows = []
         for label, pol, settings in POLICIES:
             row = run(at_rate(prep, rate) if rate else prep, pol, settings, sc.cfg)
