@@ -306,6 +306,14 @@ def main() -> int:
             f"table at {at} ({time.perf_counter() - t0:.0f} s)\n"
         )
         print(table(rows, caps, bound))
+        print(
+            "\nDecisions by reason: "
+            + "; ".join(
+                f"{r.name}: "
+                + ", ".join(f"{k}={v}" for k, v in sorted(r.extra["decisions"].items()))
+                for r in rows
+            )
+        )
         base = rows[[label for label, _, _ in POLICIES].index(BASELINE)]
         print(
             f"\nBounds: TTFT floor p50/p90/p99 {bnd['ttft_floor_p50']:.3f} / "

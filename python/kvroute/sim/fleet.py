@@ -384,6 +384,7 @@ def simulate(
         "router_replicas": cfg.router_replicas,
         "bypassed": nreq - routed,
         "restarts": restarts,
+        "decisions": dict(tier.reasons),
         **work_report(ttft, own_prefill, busy, predicted),
         "prefill_tokens_per_s_learned": [round(tier.work[0].prefill_rate(x), 1) for x in names],
         "final_work": sum(
