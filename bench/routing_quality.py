@@ -223,7 +223,13 @@ def main() -> int:
         default=1,
         help="kvroute routers per row, same flags, dealt requests in turn (default: 1)",
     )
-    ap.add_argument("--peers", action="store_true", help="also run installed peer routers")
+    ap.add_argument(
+        "--peers",
+        nargs="?",
+        const="all",
+        default=None,
+        help="also run installed peer routers (all, or a comma-separated list: sglang,vllm)",
+    )
     ap.add_argument("--json", default=None, help="write the rows as JSON to this file")
     ap.add_argument("--plot", default=None, help="write a TTFT CDF plot (PNG) to this file")
     args = ap.parse_args()
@@ -242,7 +248,8 @@ def main() -> int:
         spec = kvroute_spec(policy, extra + tuple(own))
         specs.append(replace(spec, name=" ".join([spec.name, *own])))
     if args.peers:
-        specs += installed_peer_specs(ROOT)
+        only = None if args.peers == "all" else args.peers.split(",")
+        specs += installed_peer_specs(ROOT, only)
     rows: list[ResultRow] = []
     samples: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="kvroute-quality-") as logs:

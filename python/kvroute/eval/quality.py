@@ -66,11 +66,14 @@ def kvroute_spec(policy: str, args: Sequence[str] = ()) -> RouterSpec:
     return RouterSpec(name, "kvroute", base, tuple(args), kv_events=events)
 
 
-def installed_peer_specs(root: Path) -> list[RouterSpec]:
-    """A cache_aware spec for every peer router installed under ``root/.peers``; says on
-    stderr which are skipped and how to install them."""
+def installed_peer_specs(root: Path, only: Sequence[str] | None = None) -> list[RouterSpec]:
+    """A cache_aware spec for every peer router installed under ``root/.peers`` (or for
+    those of ``only``, keys of ``PEERS``); says on stderr which are skipped and how to
+    install them."""
     specs = []
     for key, peer in PEERS.items():
+        if only is not None and key not in only:
+            continue
         if peer.installed(root):
             specs.append(RouterSpec(f"{peer.name} cache_aware", key, "cache_aware"))
         else:
