@@ -251,6 +251,12 @@ def main() -> int:
         help="no capacity sweep: the table at this Poisson rate (at_rate's draw; with "
         "workload seed 0 the same arrivals as bench/routing_quality.py --rate)",
     )
+    p.add_argument(
+        "--learn-at-polls",
+        action="store_true",
+        help="workers' capacities learned only at the router's engine polls (every 5 s), "
+        "as serve learns them, not the moment a worker queues",
+    )
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     p.add_argument(
         "--as-text",
@@ -272,6 +278,8 @@ def main() -> int:
         if chosen is not None and sc.name not in chosen:
             continue
         t0 = time.perf_counter()
+        if args.learn_at_polls:
+            sc.cfg = replace(sc.cfg, learn_at_polls=True)
         reqs = sc.build()
         prep = prepare(as_text(reqs) if args.as_text else reqs, sc.cfg.block_size)
         bound = upper_bound(prep)
