@@ -15,7 +15,19 @@ routers per row in front of the same workers, clients dealing requests to them i
 ``--time-scale S`` runs the workers S times faster than model time and replays the
 arrivals S times faster; client times are multiplied back by S (so the router's own
 overhead counts S times: keep S small), and the workers' own TTFT (model time, no router
-or HTTP in it) is printed next to the table.
+or HTTP in it) is printed next to the table, with the workers' queue wait p99 (TTFT
+minus the request's own prefill) and the busiest worker's prefill-busy time over the
+fleet mean, as ``bench/work_aware.py`` reports them from the simulator.
+
+Workloads are ``kvroute.sim.workloads``'s: ``gsp`` and ``llmd`` (``--popularity zipf``:
+group popularity Zipf, ``--zipf-s``), ``multiturn`` (its defaults), ``chat`` (the
+simulator's ``chat`` scenario: ``multiturn`` with log-normal lengths, ``--sigma`` 1.8;
+defaults 200 conversations x 6 turns, system 800, user 200, output 200 tokens) and
+``mooncake``. With workload seed 0 a Poisson rate gives the same arrival draw as
+``bench/work_aware.py --rate`` (its ``at_rate``), so the simulator runs the same requests.
+A heterogeneous fleet: ``--slow-workers K --slow-worker-args FLAGS`` gives the last K
+workers these sim-worker flags on top of ``--worker-args`` (the simulator's
+``heterogeneous`` also slows the last ones).
 
 Usage:
     python bench/routing_quality.py --workload gsp --groups 16 --prompts-per-group 8 \\
@@ -25,6 +37,10 @@ Usage:
         --policies round_robin,cache_aware,cache_aware+events
     python bench/routing_quality.py --workload mooncake --workers 8 --time-scale 8 \\
         --output-cap 16 --peers --worker-args '--capacity-tokens 4000000'
+    python bench/routing_quality.py --workload chat --workers 8 --rate 9.37 --peers
+    python bench/routing_quality.py --workload gsp --groups 64 --prompts-per-group 16 \\
+        --workers 8 --rate 24.87 --worker-args '--prefill-tokens-per-s 3000' \\
+        --slow-workers 2 --slow-worker-args '--prefill-tokens-per-s 1500'
 """
 
 from __future__ import annotations
@@ -42,6 +58,12 @@ from kvroute.sim.fleet import prepare, upper_bound
 from kvroute.sim.report import ResultRow, markdown_table, to_json
 from kvroute.sim.workloads import gsp, llmd, mooncake, multiturn
 
+# Per-workload defaults of the length flags (the simulator's scenarios for ``chat``).
+LENGTHS = {
+    "chat": {"system_len": 800, "user_len": 200, "output_len": 200},
+    "default": {"system_len": 2048, "question_len": 128, "output_len": 32, "user_len": 128},
+}
+
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 
@@ -57,6 +79,18 @@ def build(args: argparse.Namespace) -> list:  # type: ignore[type-arg]
                 r.output_len = min(r.output_len, args.output_cap)
         return reqs
     arrivals = "burst" if args.rate <= 0 else "poisson"
+    if args.workload == "chat":
+        return multiturn(
+            args.conversations,
+            args.turns,
+            args.system_len,
+            args.user_len,
+            args.output_len,
+            sigma=args.sigma,
+            seed=args.seed,
+            arrivals=arrivals,
+            rate=args.rate,
+        )
     if args.workload == "gsp":
         return gsp(
             args.groups,
@@ -65,6 +99,7 @@ def build(args: argparse.Namespace) -> list:  # type: ignore[type-arg]
             args.question_len,
             args.output_len,
             popularity=args.popularity,
+            zipf_s=args.zipf_s,
             seed=args.seed,
             arrivals=arrivals,
             rate=args.rate,
@@ -76,6 +111,8 @@ def build(args: argparse.Namespace) -> list:  # type: ignore[type-arg]
             args.system_len,
             args.question_len,
             args.output_len,
+            popularity=args.popularity,
+            zipf_s=args.zipf_s,
             seed=args.seed,
             arrivals=arrivals,
             rate=args.rate,
@@ -117,17 +154,26 @@ def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--workload", choices=("gsp", "llmd", "multiturn", "mooncake"), default="gsp")
+    ap.add_argument(
+        "--workload", choices=("gsp", "llmd", "multiturn", "chat", "mooncake"), default="gsp"
+    )
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--groups", type=int, default=16)
     ap.add_argument("--prompts-per-group", type=int, default=8)
-    ap.add_argument("--system-len", type=int, default=2048)
-    ap.add_argument("--question-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--system-len", type=int, default=None, help="2048 (chat: 800)")
+    ap.add_argument("--question-len", type=int, default=None, help="128")
+    ap.add_argument("--output-len", type=int, default=None, help="32 (chat: 200)")
+    ap.add_argument("--conversations", type=int, default=200, help="chat: conversations")
+    ap.add_argument("--turns", type=int, default=6, help="chat: turns per conversation")
+    ap.add_argument("--user-len", type=int, default=None, help="chat: user message median (200)")
+    ap.add_argument(
+        "--sigma", type=float, default=1.8, help="chat: log-normal shape of lengths (1.8)"
+    )
     ap.add_argument(
         "--rate", type=float, default=6.0, help="Poisson arrivals per second (0: all at once)"
     )
     ap.add_argument("--popularity", choices=("uniform", "zipf"), default="uniform")
+    ap.add_argument("--zipf-s", type=float, default=1.1, help="Zipf exponent (1.1)")
     ap.add_argument("--trace", default=str(TRACE), help="mooncake: the JSONL trace")
     ap.add_argument("--limit", type=int, default=None, help="mooncake: first N requests")
     ap.add_argument(
@@ -161,15 +207,37 @@ def main() -> int:
     )
     ap.add_argument("--worker-args", default="", help="extra flags for every sim worker")
     ap.add_argument(
+        "--slow-workers",
+        type=int,
+        default=0,
+        help="the last K workers also get --slow-worker-args (a heterogeneous fleet)",
+    )
+    ap.add_argument(
+        "--slow-worker-args",
+        default="",
+        help="sim-worker flags for the --slow-workers, e.g. '--prefill-tokens-per-s 1500'",
+    )
+    ap.add_argument(
         "--router-replicas",
         type=int,
         default=1,
         help="kvroute routers per row, same flags, dealt requests in turn (default: 1)",
     )
-    ap.add_argument("--peers", action="store_true", help="also run installed peer routers")
+    ap.add_argument(
+        "--peers",
+        nargs="?",
+        const="all",
+        default=None,
+        help="also run installed peer routers (all, or a comma-separated list: sglang,vllm)",
+    )
     ap.add_argument("--json", default=None, help="write the rows as JSON to this file")
     ap.add_argument("--plot", default=None, help="write a TTFT CDF plot (PNG) to this file")
     args = ap.parse_args()
+    if not 0 <= args.slow_workers <= args.workers:
+        ap.error("--slow-workers must be within [0, --workers]")
+    for k, v in LENGTHS["chat" if args.workload == "chat" else "default"].items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
 
     requests = build(args)
     bound = upper_bound(prepare(requests, 16))
@@ -180,7 +248,8 @@ def main() -> int:
         spec = kvroute_spec(policy, extra + tuple(own))
         specs.append(replace(spec, name=" ".join([spec.name, *own])))
     if args.peers:
-        specs += installed_peer_specs(ROOT)
+        only = None if args.peers == "all" else args.peers.split(",")
+        specs += installed_peer_specs(ROOT, only)
     rows: list[ResultRow] = []
     samples: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="kvroute-quality-") as logs:
@@ -195,6 +264,8 @@ def main() -> int:
             worker_args,
             kv_events=any(s.kv_events for s in specs),
             publishers_bind=args.router_replicas > 1,
+            own_args=[()] * (args.workers - args.slow_workers)
+            + [args.slow_worker_args.split()] * args.slow_workers,
         )
         try:
             for spec in specs:
@@ -224,13 +295,16 @@ def main() -> int:
             for w in workers:
                 w.stop()
     print(markdown_table(rows, bound))
-    print("\nTTFT on the workers (model s, p50 / p90 / p99), per-worker requests, errors:")
+    print(
+        "\nOn the workers (model s): TTFT p50 / p90 / p99, queue wait p99, busiest / mean "
+        "prefill-busy; per-worker requests, errors:"
+    )
     for r in rows:
         x = r.extra
         print(
             f"  {r.name}: {x['worker_ttft_p50']:.3f} / {x['worker_ttft_p90']:.3f} / "
-            f"{x['worker_ttft_p99']:.3f}, "
-            f"{x.get('per_worker')}, {r.errors}"
+            f"{x['worker_ttft_p99']:.3f}, {x['worker_queue_wait_p99']:.3f}, "
+            f"{x['worker_busy_max_over_mean']:.2f}; {x.get('per_worker')}, {r.errors}"
         )
     if args.json:
         Path(args.json).write_text(
@@ -245,6 +319,10 @@ def main() -> int:
                 kvroute_args=args.kvroute_args,
                 router_replicas=args.router_replicas,
                 output_len=args.output_len,
+                worker_args=args.worker_args,
+                slow_workers=args.slow_workers,
+                slow_worker_args=args.slow_worker_args,
+                seed=args.seed,
             )
         )
     if args.plot:

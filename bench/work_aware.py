@@ -244,6 +244,19 @@ def main() -> int:
         help="no capacity sweep: the table at the workload's own arrival times (the "
         "Mooncake trace's timestamps), capacity not reported",
     )
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="no capacity sweep: the table at this Poisson rate (at_rate's draw; with "
+        "workload seed 0 the same arrivals as bench/routing_quality.py --rate)",
+    )
+    p.add_argument(
+        "--learn-at-polls",
+        action="store_true",
+        help="workers' capacities learned only at the router's engine polls (every 5 s), "
+        "as serve learns them, not the moment a worker queues",
+    )
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     p.add_argument(
         "--as-text",
@@ -265,10 +278,13 @@ def main() -> int:
         if chosen is not None and sc.name not in chosen:
             continue
         t0 = time.perf_counter()
+        if args.learn_at_polls:
+            sc.cfg = replace(sc.cfg, learn_at_polls=True)
         reqs = sc.build()
         prep = prepare(as_text(reqs) if args.as_text else reqs, sc.cfg.block_size)
         bound = upper_bound(prep)
-        bnd = bounds(sc, prep, args.slo, not args.no_sweep)
+        sweep = not args.no_sweep and args.rate is None
+        bnd = bounds(sc, prep, args.slo, sweep)
         if args.bounds_only:
             base_row, base_cap = stored(args.against, sc.name)
             print(
@@ -283,10 +299,10 @@ def main() -> int:
         tps = sum(c.prefill_tokens_per_s for c in sc.cfg.costs())
         r0 = tps / (prep.prompt_tokens / len(prep.requests)) / 4
         caps: dict[str, float] = {}
-        if not args.no_sweep:
+        if sweep:
             for label, pol, settings in POLICIES:
                 caps[label], _ = capacity(prep, pol, settings, sc.cfg, args, r0)
-        rate = args.load * caps[BASELINE] if caps else 0.0
+        rate = args.load * caps[BASELINE] if caps else (args.rate or 0.0)
         rows = []
         for label, pol, settings in POLICIES:
             row = run(at_rate(prep, rate) if rate else prep, pol, settings, sc.cfg)
@@ -298,6 +314,14 @@ def main() -> int:
             f"table at {at} ({time.perf_counter() - t0:.0f} s)\n"
         )
         print(table(rows, caps, bound))
+        print(
+            "\nDecisions by reason: "
+            + "; ".join(
+                f"{r.name}: "
+                + ", ".join(f"{k}={v}" for k, v in sorted(r.extra["decisions"].items()))
+                for r in rows
+            )
+        )
         base = rows[[label for label, _, _ in POLICIES].index(BASELINE)]
         print(
             f"\nBounds: TTFT floor p50/p90/p99 {bnd['ttft_floor_p50']:.3f} / "

@@ -85,6 +85,23 @@ def test_engine_readings_add_others_waiting_work_and_a_full_kv_cache() -> None:
     assert m.slot_wait("v") > 0
 
 
+def test_a_worker_not_seen_queueing_is_assumed_to_run_as_many_as_the_largest_learned() -> None:
+    """Capacities are learned only when an engine reading catches a worker queueing
+    (every few seconds). Until then a worker had no slot wait at all, so a hot prefix's
+    holder drew requests far past its decode slots; now it is assumed to run as many at
+    once as the largest capacity learned on any worker, until its own is learned."""
+    m = LoadModel()
+    m.capacities = {"a": 4}  # "a" was seen queueing with 4 running; "b" never was
+    for _ in range(6):
+        m.reserve("b", 10, 100, now=0.0)
+    assert m.slot_wait("b") > 0
+    assert m.predict(["a", "b"], 10, {}).ttft["b"] == m.ttft("b", 10)
+    m.capacities = {"a": 4, "b": 8}  # its own, once learned, is what counts
+    assert m.slot_wait("b") == 0.0
+    m.capacities = {}  # nothing learned anywhere: no slot wait, as before
+    assert m.slot_wait("b") == 0.0
+
+
 def synthetic_worker(m: LoadModel, worker: str, tps: float, overhead: float, n: int) -> None:
     """Requests one at a time on a worker with TTFT = overhead + tokens / tps, a tenth
     of them delayed by a second (a stall the estimator must shrug off)."""

@@ -118,6 +118,19 @@ def test_zero_capacity_caches_nothing() -> None:
     assert cached == 0 and c.num_blocks == 0 and c.usage() == 0.0
 
 
+def test_usage_counts_pinned_blocks_only() -> None:
+    """As vLLM's kv_cache_usage_perc: blocks of running requests; a finished request's
+    blocks stay cached (a later prompt hits them) but count as free."""
+    c = PrefixCache(10 * B, B)
+    _, h = c.admit(toks(1, 2, 3, 4, extra=1))
+    assert c.usage() == 0.4
+    c.release(h)
+    assert c.num_blocks == 4 and c.usage() == 0.0
+    cached, h = c.admit(toks(1, 2, extra=1))
+    assert cached == 2 * B and c.usage() == 0.2
+    c.release(h)
+
+
 def test_event_callbacks() -> None:
     stored: list[tuple[list[int], int | None, list[int], int]] = []
     removed: list[list[int]] = []

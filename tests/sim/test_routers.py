@@ -262,3 +262,27 @@ def test_a_store_decision_reaches_the_other_replicas_after_its_delay() -> None:
     tier.route(2, RouteRequest(tokens=prompt(5)), now=1.0)  # delivered now
     assert tier.policies[1].index.match(p) == {first: 512}  # type: ignore[attr-defined]
     assert tier.peer[1][first] >= 1  # replica 0's request counts on replica 1's loads
+
+
+def test_capacity_is_learned_only_at_engine_polls_as_serve_learns_it() -> None:
+    """``learn_at_polls``: a worker's capacity (what the saturation guard and the work
+    model's slot wait need) is learned only when an engine poll finds it queueing, as
+    serve reads /metrics; by default, the moment it queues. A hot prefix in a burst
+    between two polls then piles onto its holder."""
+    reqs = [Request(0.001 * i, prompt(7), 200, 0) for i in range(12)]
+    prep = prepare(reqs, 16)
+
+    def overflows(at_polls: bool, poll_s: float) -> int:
+        cfg = FleetConfig(
+            workers=2,
+            cost=CostModel(max_batch=2),
+            learn_capacity=True,
+            learn_at_polls=at_polls,
+            engine_poll_s=poll_s,
+            policy_settings={"seed": 0, "load_metric": "requests"},
+        )
+        return int(simulate(prep, "cache_aware", cfg).extra["decisions"].get("overflow", 0))
+
+    assert overflows(False, 100.0) > 0  # learned when the holder first queued
+    assert overflows(True, 100.0) == 0  # no poll during the burst: nothing learned
+    assert overflows(True, 0.001) > 0  # a poll finds the holder queueing

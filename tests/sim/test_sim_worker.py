@@ -233,6 +233,28 @@ def test_metrics_use_vllm_names(worker: tuple[Server, Any, str]) -> None:
     assert values["vllm:num_requests_running"] == 0
 
 
+def test_kv_usage_counts_running_requests_not_reusable_cache(
+    worker: tuple[Server, Any, str],
+) -> None:
+    """vLLM's kv_cache_usage_perc counts blocks running requests hold: a finished
+    request's cached blocks sit in its free queue (reusable, evictable, counted free).
+    A cache full of reusable prefixes read as a full engine makes a router think no
+    request can be admitted there."""
+    server, _, _ = worker
+    _flush(server)
+    prompt = list(range(300, 300 + CAPACITY // 2))
+    _completion(server, prompt)
+    assert _cached(_completion(server, prompt)) > 0  # its blocks are still cached
+    text = httpx.get(server.url + "/metrics", timeout=5).text
+    usage = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:kv_cache_usage_perc{")
+    ]
+    assert usage == [0.0]
+    assert httpx.get(server.url + "/sim/stats", timeout=5).json()["kv_cache_usage"] == 0.0
+
+
 def test_introspection_and_render(worker: tuple[Server, Any, str]) -> None:
     server, _, _ = worker
     get = lambda p: httpx.get(server.url + p, timeout=5).json()  # noqa: E731

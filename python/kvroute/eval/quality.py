@@ -66,11 +66,14 @@ def kvroute_spec(policy: str, args: Sequence[str] = ()) -> RouterSpec:
     return RouterSpec(name, "kvroute", base, tuple(args), kv_events=events)
 
 
-def installed_peer_specs(root: Path) -> list[RouterSpec]:
-    """A cache_aware spec for every peer router installed under ``root/.peers``; says on
-    stderr which are skipped and how to install them."""
+def installed_peer_specs(root: Path, only: Sequence[str] | None = None) -> list[RouterSpec]:
+    """A cache_aware spec for every peer router installed under ``root/.peers`` (or for
+    those of ``only``, keys of ``PEERS``); says on stderr which are skipped and how to
+    install them."""
     specs = []
     for key, peer in PEERS.items():
+        if only is not None and key not in only:
+            continue
         if peer.installed(root):
             specs.append(RouterSpec(f"{peer.name} cache_aware", key, "cache_aware"))
         else:
@@ -85,11 +88,14 @@ def start_sim_workers(
     *,
     kv_events: bool = False,
     publishers_bind: bool = False,
+    own_args: Sequence[Sequence[str]] = (),
 ) -> list[Server]:
     """``n`` sim workers; with ``kv_events`` each publishes to one endpoint that a
     precise-mode router binds, under its own topic (``Server.extra["kv_events"]`` holds
     the ``--kv-events`` value for it). ``publishers_bind``: each worker binds its own
-    ``ipc://`` endpoint instead, which any number of routers can connect to."""
+    ``ipc://`` endpoint instead, which any number of routers can connect to.
+    ``own_args[i]``: flags for worker ``i`` only, after ``args`` (so they win), e.g. a
+    slower prefill for some workers of a heterogeneous fleet."""
     workers: list[Server] = []
     shared = f"tcp://127.0.0.1:{free_port()}"
     try:
@@ -101,7 +107,12 @@ def start_sim_workers(
             w = start_server(
                 f"sim-worker-{port}",
                 kvroute_argv(
-                    "sim-worker", "--port", str(port), *args, *(events if kv_events else [])
+                    "sim-worker",
+                    "--port",
+                    str(port),
+                    *args,
+                    *(own_args[i] if i < len(own_args) else ()),
+                    *(events if kv_events else []),
                 ),
                 port,
                 log_dir=log_dir,
@@ -239,14 +250,35 @@ def served_counts(workers: Sequence[Server]) -> list[int]:
         return [int(c.get(w.url + "/sim/stats").json()["requests_served"]) for w in workers]
 
 
-def worker_ttfts(workers: Sequence[Server]) -> list[float]:
-    """Every finished request's TTFT as the workers timed it (model seconds: queue and
-    prefill on the worker, no router or HTTP time, not inflated by a time scale)."""
-    out: list[float] = []
+def worker_log(workers: Sequence[Server]) -> tuple[list[tuple[float, float]], list[float]]:
+    """From the workers' own request logs (model seconds): (TTFT, own prefill time) of
+    every finished request, and each worker's prefill-busy time (the sum of its
+    requests' own prefill times: what ``kvroute.sim.fleet`` reports as busy)."""
+    runs: list[tuple[float, float]] = []
+    busy: list[float] = []
     with httpx.Client(timeout=30, trust_env=False) as c:
         for w in workers:
             log = c.get(w.url + "/sim/stats", params={"log": 1}).json().get("requests", [])
-            out += [float(r["ttft_s"]) for r in log if r.get("finished")]
+            mine = [
+                (float(r["ttft_s"]), float(r.get("prefill_s", 0.0)))
+                for r in log
+                if r.get("finished")
+            ]
+            runs += mine
+            busy.append(sum(p for _, p in mine))
+    return runs, busy
+
+
+def worker_report(workers: Sequence[Server]) -> dict[str, float]:
+    """Worker-side TTFT p50/p90/p99, queue wait p99 (TTFT minus the request's own
+    prefill: time behind other requests, on the worker) and the busiest worker's
+    prefill-busy time over the fleet mean, as the simulator reports them."""
+    runs, busy = worker_log(workers)
+    ttft = [t for t, _ in runs]
+    out = {f"worker_ttft_p{q}": percentile(ttft, q) for q in (50, 90, 99)}
+    out["worker_queue_wait_p99"] = percentile([t - p for t, p in runs], 99)
+    mean = sum(busy) / len(busy) if busy else 0.0
+    out["worker_busy_max_over_mean"] = max(busy) / mean if mean > 0 else 0.0
     return out
 
 
@@ -286,7 +318,7 @@ def run_router(
         for router in routers:
             router.stop()
     after = served_counts(workers)
-    on_workers = worker_ttfts(workers)
+    on_workers = worker_report(workers)
     per_worker = [a - b for a, b in zip(after, before, strict=True)]
     ok = [o for o in outcomes if o.status == 200]
     # Client wall times x time_scale are model times plus the router's and HTTP's real
@@ -305,9 +337,7 @@ def run_router(
         extra={
             "ttft": [round(o.ttft_s * s, 6) for o in ok],
             "routing": counters,
-            "worker_ttft_p50": percentile(on_workers, 50),
-            "worker_ttft_p90": percentile(on_workers, 90),
-            "worker_ttft_p99": percentile(on_workers, 99),
+            **on_workers,
             "time_scale": s,
             "per_worker": per_worker,
             "router_replicas": replicas,

@@ -240,8 +240,12 @@ class PrefixCache:
         return sum(1 for k, n in self._acq.items() if n != rel[k])
 
     def usage(self) -> float:
-        """Fraction of the capacity in use (vLLM ``kv_cache_usage_perc``, 0..1)."""
-        return len(self._lru) / self.capacity_blocks if self.capacity_blocks else 0.0
+        """Fraction of the capacity in use by running requests (vLLM
+        ``kv_cache_usage_perc``, 0..1): pinned blocks only. As in vLLM (a cached block no
+        request holds sits in its free-block queue and counts as free) and SGLang (its
+        ``token_usage`` leaves out the evictable radix cache), a cache full of reusable
+        prefixes is not a full engine: it admits the next request by evicting."""
+        return self.pinned_blocks / self.capacity_blocks if self.capacity_blocks else 0.0
 
     def __contains__(self, key: int) -> bool:
         return key in self._lru

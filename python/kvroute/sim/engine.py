@@ -105,6 +105,7 @@ class Run:
     cached_tokens: int = 0
     output_tokens: int = 0
     queue_s: float = 0.0
+    prefill_s: float = 0.0  # its own prefill (cost model), without any wait
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     batch: int = 0
@@ -213,10 +214,9 @@ class SimEngine:
                 self._lora = None
             self._flush_events()
             self.prompt_tokens += run.prompt_tokens
+            run.prefill_s = self.cost.prefill_s(run.prompt_tokens - run.cached_tokens)
             async with self._prefill:
-                await asyncio.sleep(
-                    self.cost.prefill_s(run.prompt_tokens - run.cached_tokens) / scale
-                )
+                await asyncio.sleep(run.prefill_s / scale)
             t_first = time.perf_counter()
             run.ttft_s = (t_first - t0) * scale
             run.output_tokens = 1

@@ -82,9 +82,13 @@ class FleetConfig:
     # The router's --max-tree-size (tokens per worker in its index); None = unbounded.
     max_tree_size: int | None = None
     policy_settings: dict[str, Any] = field(default_factory=dict)
-    # cache_aware learns each worker's capacity when it is first seen queueing (the
-    # router does so at its next /metrics poll; here at once).
+    # cache_aware learns each worker's capacity when it is first seen queueing: at once,
+    # or (``learn_at_polls``) as the router does, only when one of its /metrics polls
+    # (every ``engine_poll_s``) finds the worker with requests waiting. Over HTTP a
+    # queue that forms and drains between two polls teaches nothing, and until a
+    # worker's capacity is known the work model sees no wait for a slot there.
     learn_capacity: bool = False
+    learn_at_polls: bool = False
     # Generated tokens take cache blocks (vLLM); off: only prompts are cached.
     output_blocks: bool = True
     # What the approximate index cannot see (kvroute.sim.routers): independent router
@@ -324,6 +328,9 @@ def simulate(
     while nxt < nreq or heap:
         upcoming = min(heap[0][0] if heap else np.inf, arrivals[nxt] if nxt < nreq else np.inf)
         if next_poll <= upcoming:
+            if learner is not None and cfg.learn_at_polls:
+                for i in range(nw):
+                    learner.observe(names[i], running[i], len(queues[i]))
             tier.poll([running[i] + len(queues[i]) for i in range(nw)], [len(q) for q in queues])
             next_poll += cast(float, poll_every)
             continue
@@ -373,7 +380,7 @@ def simulate(
             admit(w, r, now)
         else:
             queues[w].append(r)
-            if learner is not None:
+            if learner is not None and not cfg.learn_at_polls:
                 learner.observe(names[w], running[w], len(queues[w]))
 
     extra: dict[str, Any] = {
@@ -384,6 +391,7 @@ def simulate(
         "router_replicas": cfg.router_replicas,
         "bypassed": nreq - routed,
         "restarts": restarts,
+        "decisions": dict(tier.reasons),
         **work_report(ttft, own_prefill, busy, predicted),
         "prefill_tokens_per_s_learned": [round(tier.work[0].prefill_rate(x), 1) for x in names],
         "final_work": sum(

@@ -47,7 +47,7 @@ every worker is trusted, as the router does with ``--kv-events`` and every worke
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from typing import cast
 
@@ -146,6 +146,8 @@ class RouterTier:
         self.peer_prefill = [dict.fromkeys(self.names, 0) for _ in self.policies]
         self._heard: list[dict[tuple[int, str], tuple[int, int, int]]] = [{} for _ in self.policies]
         self.learner = learner
+        # Decisions by reason, over every replica (serve's kvroute_routing_decisions_total).
+        self.reasons: Counter[str] = Counter()
         self.work = [LoadModel() for _ in self.policies]
         for pol, model in zip(self.policies, self.work, strict=True):
             if learner is not None:
@@ -224,6 +226,7 @@ class RouterTier:
             peer = self.peer[k]
             seen = {w: n + peer[w] for w, n in loads.items()}
         decision = self.policies[k].select(request, seen)
+        self.reasons[decision.reason] += 1
         loads[decision.worker] += 1
         cached = decision.cached_tokens
         if cached is None:

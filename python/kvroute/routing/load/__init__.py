@@ -71,7 +71,10 @@ The prediction (``ttft``), for a request with ``uncached`` tokens on worker ``w`
               of the mean uncached size of ours
     ttft    = ahead + overhead(w) + uncached / rate(w) + slot_wait(w)
     slot_wait = 0 while w has a free slot (requests in flight, ours + others, below its
-              capacity: ``--worker-capacity`` or learned from the engines); else the
+              capacity: ``--worker-capacity`` or learned from the engines; a worker not
+              yet seen queueing is assumed to have the largest capacity learned on any
+              worker, since the engines are read only every few seconds and a queue
+              that forms between two readings teaches nothing); else the
               request waits for (n - capacity + 1) of ``capacity`` slots to free, each
               after a uniformly spread remaining decode time (the k-th of ``capacity``
               running requests ends after k / (capacity + 1) of a whole decode):

@@ -395,12 +395,27 @@ class LoadModel:
                 count += peers
         return count * intercept + work * slope
 
-    def _capacity(self, worker: str, st: WorkerWork) -> int | None:
+    def typical_capacity(self) -> int | None:
+        """What a worker not yet seen queueing is assumed to run at once: the largest
+        capacity learned on any worker (None: none learned). A fleet's replicas are
+        usually alike. Assumed too large, a worker corrects it (it queues, and an engine
+        reading learns its own); assumed unknown, it had no slot wait at all and drew
+        requests past its decode slots until a reading happened to catch it queueing."""
+        caps = self.capacities
+        return max(caps.values()) if caps else None
+
+    def _capacity(self, worker: str, st: WorkerWork, typical: int | None = -1) -> int | None:
+        """``typical``: ``typical_capacity()`` if already computed (-1: not yet)."""
         e = st.engine
         if e is not None and e.kv_usage is not None and e.kv_usage >= KV_FULL and e.running:
             return e.running
         cap = self.fixed_capacity
-        return cap if cap is not None else self.capacities.get(worker)
+        if cap is not None:
+            return cap
+        cap = self.capacities.get(worker)
+        if cap is None:
+            cap = self.typical_capacity() if typical == -1 else typical
+        return cap
 
     def slot_wait(self, worker: str) -> float:
         """Seconds a request routed now would wait for a free slot (decode interference)."""
@@ -409,8 +424,8 @@ class LoadModel:
             return 0.0
         return self._slot_wait(worker, st)
 
-    def _slot_wait(self, worker: str, st: WorkerWork) -> float:
-        cap = self._capacity(worker, st)
+    def _slot_wait(self, worker: str, st: WorkerWork, typical: int | None = -1) -> float:
+        cap = self._capacity(worker, st, typical)
         if cap is None or cap < 1:
             return 0.0
         n = st.requests + self.others.get(worker, 0) + self.peer.get(worker, 0)
@@ -467,6 +482,7 @@ class LoadModel:
         fleet = self.fleet_line
         # No capacity known for any worker (none fixed, learned or read): no slot wait.
         no_caps = self.fixed_capacity is None and not self.capacities
+        typical = self.typical_capacity()
         for w in workers:
             matched = matches.get(w, 0)
             uncached = tokens - matched
@@ -483,7 +499,7 @@ class LoadModel:
             if uncached < 0:
                 uncached = 0
             o = own[w] = intercept + (uncached + (1.0 - st.trust) * max(0, matched)) * slope
-            slot = 0.0 if no_caps and st.engine is None else self._slot_wait(w, st)
+            slot = 0.0 if no_caps and st.engine is None else self._slot_wait(w, st, typical)
             ttft[w] = self._ahead(w, st, intercept, slope, uncached) + o + slot
         return Predictions(ttft, own)
 
