@@ -213,6 +213,66 @@ class BpeEncoder:
         """Tokens found by one lookup when a piece is exactly one (every token its own
         bytes merge into, with ``ignore_merges`` every token)."""
 
+@final
+class SegmentEncoder:
+    """Rendered text -> token IDs through a segment cache, in one call with the GIL
+    released (``kvroute.routing.segments``): the text is split at the special tokens
+    (leftmost, longest), each other piece looked up in an LRU bounded in entries and
+    bytes, the pieces not found encoded with the ``BpeEncoder`` and stored. Thread-safe.
+    """
+
+    def __new__(
+        cls,
+        encoder: BpeEncoder,
+        specials: Mapping[str, int],
+        prefix: Sequence[int],
+        unstable: _Tokens | None,
+        *,
+        speed: tuple[int, int],
+        cache_size: int,
+        cache_bytes: int,
+    ) -> SegmentEncoder:
+        """``specials``: the added tokens and their IDs; ``prefix``: the IDs put first
+        when special tokens are asked for; ``unstable``: code points whose pieces go back
+        to the caller (must hold the encoder's refused ones; none ASCII); ``speed``: the
+        encoder's ns per character of an ASCII piece and of any other (the thread rule);
+        ``cache_size``/``cache_bytes``: the cache's bounds. Raises ValueError on an
+        ASCII code point in ``unstable``."""
+
+    def encode(
+        self,
+        text: str,
+        add_special_tokens: bool = False,
+        budget_ns: int | None = None,
+        given: Mapping[str, _Tokens] | None = None,
+    ) -> array.array[int] | list[str] | None:
+        """The IDs of ``text`` as an ``array('I')``; None when encoding the pieces not
+        cached would cost more than ``budget_ns`` (nothing done); or the distinct pieces
+        holding an ``unstable`` code point, for the caller to encode and pass back in
+        ``given``. Raises UnicodeEncodeError on a lone surrogate."""
+
+    @property
+    def hits(self) -> int:
+        """Pieces found in the cache (per occurrence, special tokens aside)."""
+
+    @property
+    def misses(self) -> int:
+        """Pieces encoded."""
+
+    @property
+    def entries(self) -> int:
+        """Entries in the cache."""
+
+    @property
+    def bytes(self) -> int:
+        """What the entries are counted as, in bytes."""
+
+    def cached(self) -> list[str]:
+        """The cached pieces, most recent first."""
+
+    def clear(self) -> None:
+        """Empties the cache (the counters stay)."""
+
 def bpe_char_classes(text: str) -> bytes:
     """One byte of flags per character of ``text`` as ``BpeEncoder`` classifies it: 1
     letter (``\\p{L}``), 2 number (``\\p{N}``), 4 whitespace (``\\s``), 8 mark, 16
@@ -222,6 +282,7 @@ __all__ = [
     "BlockIndex",
     "BpeEncoder",
     "PrefixIndex",
+    "SegmentEncoder",
     "TokenIds",
     "UnknownParentError",
     "bpe_char_classes",

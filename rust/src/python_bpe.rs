@@ -1,18 +1,23 @@
 //! The PyO3 binding of the exact byte-level BPE encoder (`crate::bpe`), kept apart from
 //! the index binding (`python.rs`, whose module init calls `add`). Arguments are
 //! converted first, then the work runs with the GIL released; IDs come back as an
-//! `array('I')`, which the index takes with one memcpy.
+//! `array('I')`, which the index takes with one memcpy. `SegmentEncoder` wraps
+//! `bpe::SegmentEncoder` (rendered text -> IDs through the segment cache) around a
+//! `BpeEncoder`'s encoder, shared, not copied.
 
 use crate::bpe;
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBytes, PyDict, PyString, PyType};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyType};
+use std::collections::HashMap;
+use std::sync::Arc;
 
 /// Adds the BPE classes and functions to the extension module.
 pub(crate) fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyBpeEncoder>()?;
+    m.add_class::<PySegmentEncoder>()?;
     m.add_function(wrap_pyfunction!(bpe_char_classes, m)?)?;
     Ok(())
 }
@@ -30,7 +35,7 @@ fn u32_array<'py>(py: Python<'py>, ids: &[u32]) -> PyResult<Bound<'py, PyAny>> {
 /// Exact byte-level BPE encoder (see kvroute/_native.pyi).
 #[pyclass(name = "BpeEncoder", module = "kvroute._native", frozen)]
 pub struct PyBpeEncoder {
-    inner: bpe::Encoder,
+    inner: Arc<bpe::Encoder>,
 }
 
 #[pymethods]
@@ -62,7 +67,9 @@ impl PyBpeEncoder {
             bpe::Encoder::new(tokens, &pairs, &patterns, ignore_merges, refused.as_deref())
         });
         inner
-            .map(|inner| PyBpeEncoder { inner })
+            .map(|inner| PyBpeEncoder {
+                inner: Arc::new(inner),
+            })
             .map_err(|e| PyValueError::new_err(e.to_string()))
     }
 
@@ -107,6 +114,117 @@ impl PyBpeEncoder {
     #[getter]
     fn whole_tokens(&self) -> usize {
         self.inner.whole_tokens()
+    }
+}
+
+/// Rendered text -> IDs through a segment cache (see kvroute/_native.pyi).
+#[pyclass(name = "SegmentEncoder", module = "kvroute._native", frozen)]
+pub struct PySegmentEncoder {
+    inner: bpe::SegmentEncoder,
+}
+
+#[pymethods]
+impl PySegmentEncoder {
+    #[new]
+    #[pyo3(signature = (encoder, specials, prefix, unstable, *, speed, cache_size, cache_bytes))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        encoder: &Bound<'_, PyBpeEncoder>,
+        specials: &Bound<'_, PyDict>,
+        prefix: Vec<u32>,
+        unstable: Option<&Bound<'_, PyAny>>,
+        speed: (u64, u64),
+        cache_size: usize,
+        cache_bytes: usize,
+    ) -> PyResult<Self> {
+        let mut tokens = Vec::with_capacity(specials.len());
+        for (token, id) in specials.iter() {
+            tokens.push((token.extract::<String>()?, id.extract::<u32>()?));
+        }
+        let unstable = match unstable {
+            Some(u) if !u.is_none() => Some(PyBuffer::<u32>::get(u)?.to_vec(py)?),
+            _ => None,
+        };
+        let settings = bpe::Settings {
+            max_entries: cache_size,
+            max_bytes: cache_bytes,
+            ascii_ns: speed.0,
+            other_ns: speed.1,
+        };
+        let encoder = encoder.get().inner.clone();
+        let inner = py.detach(|| {
+            bpe::SegmentEncoder::new(encoder, &tokens, prefix, unstable.as_deref(), settings)
+        });
+        inner
+            .map(|inner| PySegmentEncoder { inner })
+            .map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+
+    /// The IDs of `text` as an `array('I')`; None when encoding the pieces not cached
+    /// would cost more than `budget_ns`; or the pieces the caller must encode (a list).
+    #[pyo3(signature = (text, add_special_tokens = false, budget_ns = None, given = None))]
+    fn encode<'py>(
+        &self,
+        py: Python<'py>,
+        text: &Bound<'py, PyString>,
+        add_special_tokens: bool,
+        budget_ns: Option<u64>,
+        given: Option<&Bound<'py, PyDict>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let text = text.to_str()?;
+        let mut known = HashMap::new();
+        if let Some(given) = given {
+            for (piece, ids) in given.iter() {
+                let ids = match PyBuffer::<u32>::get(&ids) {
+                    Ok(buffer) => buffer.to_vec(py)?,
+                    Err(_) => ids.extract::<Vec<u32>>()?,
+                };
+                known.insert(piece.extract::<String>()?, ids);
+            }
+        }
+        match py.detach(|| {
+            self.inner
+                .encode(text, add_special_tokens, budget_ns, &known)
+        }) {
+            bpe::Encoded::Ids(ids) => u32_array(py, &ids),
+            bpe::Encoded::TooLong => Ok(py.None().into_bound(py)),
+            bpe::Encoded::ForCaller(pieces) => Ok(PyList::new(py, pieces)?.into_any()),
+        }
+    }
+
+    /// Segment-cache hits (pieces found), counted per piece.
+    #[getter]
+    fn hits(&self) -> u64 {
+        self.inner.stats().hits
+    }
+
+    /// Segment-cache misses (pieces encoded), counted per piece.
+    #[getter]
+    fn misses(&self) -> u64 {
+        self.inner.stats().misses
+    }
+
+    /// Entries in the segment cache.
+    #[getter]
+    fn entries(&self) -> usize {
+        self.inner.stats().entries
+    }
+
+    /// What the entries are counted as, in bytes.
+    #[getter]
+    fn bytes(&self) -> usize {
+        self.inner.stats().bytes
+    }
+
+    /// The cached pieces, most recent first.
+    fn cached(&self) -> Vec<String> {
+        self.inner.cached().iter().map(|k| k.to_string()).collect()
+    }
+
+    /// Empties the segment cache (the counters stay).
+    fn clear(&self) {
+        self.inner.clear();
     }
 }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -123,7 +124,6 @@ async def test_long_text_encoding_leaves_the_event_loop_free() -> None:
 
     assert QWEN is not None
     tok = PromptTokenizer(QWEN)
-    encode = tok._encode_missing
     threads: list[int] = []
     loop_ran = threading.Event()
     waited: list[bool] = []
@@ -131,14 +131,13 @@ async def test_long_text_encoding_leaves_the_event_loop_free() -> None:
     loop = asyncio.get_running_loop()
     started = asyncio.Event()
 
-    def recording(texts: list[str]) -> dict[str, tuple[int, ...]]:
+    def before() -> None:
         threads.append(threading.get_ident())
         if threading.get_ident() != loop_thread:
             loop.call_soon_threadsafe(started.set)
             waited.append(loop_ran.wait(timeout=30))
-        return encode(texts)
 
-    tok._encode_missing = recording  # type: ignore[method-assign]
+    _record_encodes(tok, before)
     loop_thread = threading.get_ident()
 
     async def tick() -> None:
@@ -184,19 +183,13 @@ async def test_the_thread_hop_is_taken_by_the_encoding_cost(
     assert QWEN is not None
     tok = PromptTokenizer(QWEN, native_bpe=native)
     assert tok.encoder == ("native-bpe" if native else "fast-bpe")
-    encode = tok._encode_missing
     threads: list[int] = []
-
-    def recording(texts: list[str]) -> dict[str, tuple[int, ...]]:
-        threads.append(threading.get_ident())
-        return encode(texts)
-
-    tok._encode_missing = recording  # type: ignore[method-assign]
+    _record_encodes(tok, lambda: threads.append(threading.get_ident()))
     ids = await tok.tokens_for("completions", {"prompt": text})
-    assert (threads != [threading.get_ident()]) is in_thread
+    assert any(t != threading.get_ident() for t in threads) is in_thread
     assert list(ids) == tok._tok.encode(text)
     # Decide first's rest: the same rule.
-    tok._cache.clear()
+    tok.segments.clear()
     prompt = tok.partial_text(text)
     assert prompt.pending
     threads.clear()
@@ -209,3 +202,24 @@ async def test_the_thread_hop_is_taken_by_the_encoding_cost(
     tok.finish = finishing  # type: ignore[method-assign]
     assert list(await tok.finish_async(prompt)) == list(ids)
     assert (threads != [threading.get_ident()]) is in_thread
+
+
+def _record_encodes(tok: PromptTokenizer, before: Any) -> None:
+    """Call ``before()`` on the encoding thread ahead of every encode of uncached text:
+    the native segment encoder's calls that encode (no loop budget, or one it fits in)
+    and the Python segment cache's."""
+    encode_missing = tok._encode_missing
+    encode_native = tok._encode_native
+
+    def missing(texts: list[str]) -> Any:
+        before()
+        return encode_missing(texts)
+
+    def native(text: str, add_special_tokens: bool, budget_ns: int | None) -> Any:
+        out = encode_native(text, add_special_tokens, budget_ns)
+        if out is not None:  # it encoded (None: over the loop's budget, nothing done)
+            before()
+        return out
+
+    tok._encode_missing = missing  # type: ignore[method-assign]
+    tok._encode_native = native  # type: ignore[method-assign]

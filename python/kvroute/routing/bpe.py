@@ -284,6 +284,11 @@ class FastBPE:
         # alone pre-tokenizes and never looks behind a match's start (see ``split_head``).
         self._splittable = not self._presplit and not _LOOKS_BEHIND.search(patterns[-1])
 
+    @property
+    def nfc(self) -> bool:
+        """Whether the tokenizer normalizes with NFC."""
+        return self._nfc
+
     def normalize(self, text: str) -> str:
         """``text`` as the tokenizer's normalizer leaves it (NFC, or unchanged)."""
         if self._nfc and not unicodedata.is_normalized("NFC", text):

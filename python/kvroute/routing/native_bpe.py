@@ -93,3 +93,29 @@ def build(
     except (ValueError, KeyError, TypeError) as e:
         return None, str(e) or type(e).__name__
     return encoder, f"{encoder.scheme} pre-tokenizer"
+
+
+@lru_cache(maxsize=1)
+def nfc_unstable() -> tuple[int, ...]:
+    """Code points a text must not hold to be its own NFC (Python's tables): a text
+    without any is unchanged by NFC. Each character is either one of these or a starter
+    (combining class 0) that NFC neither decomposes nor composes with what comes before
+    it (NFC_Quick_Check Yes). These are: the characters with a nonzero combining class,
+    those NFC changes alone (singletons, composition exclusions), every second character
+    of a canonical pair (what can compose with the character before it), and the Hangul
+    vowel and trailing jamo (composed by rule, not by the table)."""
+    found: set[int] = set(range(0x1161, 0x1176)) | set(range(0x11A8, 0x11C3))
+    for cp in range(0x80, 0x110000):
+        c = chr(cp)
+        if 0xD800 <= cp <= 0xDFFF:
+            continue
+        if unicodedata.combining(c):
+            found.add(cp)
+        decomposition = unicodedata.decomposition(c)
+        if decomposition and not decomposition.startswith("<"):
+            parts = decomposition.split()
+            if len(parts) == 2:
+                found.add(int(parts[1], 16))
+            if unicodedata.normalize("NFC", c) != c:
+                found.add(cp)
+    return tuple(sorted(found))

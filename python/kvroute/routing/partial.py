@@ -31,15 +31,15 @@ def partial_text(tok: Any, text: str, add_special_tokens: bool, head_chars: int)
     piece's first pre-tokenizer pieces (``head_chars``); the rest pending, with a
     bound on its token count. Complete when nothing is missing."""
     prefix = tok._prefix_specials if add_special_tokens else []
-    parts, missing = tok._lookup(tok._pieces(text))
+    parts, missing = tok.segments.lookup(tok.segments.pieces(text))
     if not missing or tok._bpe is None:
         found = tok._encode_missing(missing) if missing else {}
-        return Prompt(tok._assemble(parts, found, prefix))
+        return Prompt(tok.segments.assemble(parts, found, prefix))
     first = next(i for i, p in enumerate(parts) if isinstance(p, str))
     after = 0
     for part in parts[first + 1 :]:
         after += tok._bpe.token_bounds(part)[1] if isinstance(part, str) else len(part)
-    known = tok._assemble(parts[:first], {}, prefix)
+    known = tok.segments.assemble(parts[:first], {}, prefix)
     prompt = Prompt(known, missing, 0, parts, first, 0, None, after)
     split = _split(tok, prompt, known, head_chars)
     if split is not None:
@@ -90,7 +90,7 @@ def finish(tok: Any, prompt: Prompt) -> array.array[int]:
         rest_ids = tok._bpe.encode_ids(prompt.rest)
         ids = known[len(known) - prompt.head :]
         ids.extend(rest_ids)
-        tok._store({piece: ids})
+        tok.segments.store({piece: ids})
         out.extend(rest_ids)
     else:
         found.update(tok._encode_missing([piece]))

@@ -7,12 +7,11 @@
 * Token-ID prompts and ``input_ids``: used as given.
 * Batched prompts (a list of prompts) route on the first one.
 
-Segment cache: a rendered prompt is split at the tokenizer's special tokens (as the
-tokenizer itself does before BPE), each piece is encoded once and kept in an LRU map
-keyed by its text, and the IDs are concatenated. System prompts and earlier turns repeat
-across requests, so most pieces hit the cache and only the new text is tokenized.
-Encoding of the uncached part runs in a worker thread when it is long, so it never
-blocks the event loop.
+Segment cache (``kvroute.routing.segments``): a rendered prompt is split at the
+tokenizer's special tokens, each piece is encoded once and kept in an LRU map keyed by
+its text, and the IDs are concatenated; with the native BPE all of that is one native
+call. Encoding of the uncached part runs in a worker thread when it is long, so it
+never blocks the event loop.
 
 Without a tokenizer the router routes on the UTF-8 bytes of the rendered text (each
 byte one "token"), as SGLang's router routes on characters: prefixes still line up, but
@@ -25,13 +24,9 @@ import array
 import asyncio
 import logging
 import os
-import re
-import sys
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import Any, TypeAlias
+from typing import Any
 
 import orjson
 
@@ -42,6 +37,7 @@ from kvroute.routing.bpe import FastBPE
 from kvroute.routing.decide_first import Prompt, Tails
 from kvroute.routing.partial import HEAD_CHARS
 from kvroute.routing.prompts import MAX_TOKEN_ID, prompt_batch, token_list
+from kvroute.routing.segments import IDs, NativeSegments, PySegments
 from kvroute.routing.template_cache import TemplateCache, why_not_cacheable
 from kvroute.routing.templates import (
     Bounds,
@@ -59,9 +55,6 @@ from kvroute.routing.tokenizer_files import (
 )
 
 log = logging.getLogger("kvroute.routing.tokenization")
-# A segment's IDs in the cache: an array('I'), so assembling a prompt copies memory
-# (a 1,500-ID segment: 0.2 µs, against 15 µs from a tuple of ints).
-IDs: TypeAlias = "array.array[int]"
 
 # Text still to encode goes to a worker thread when encoding it would hold the event loop
 # longer than ``LOOP_BUDGET_NS``; below that it is encoded on the loop, which it blocks
@@ -138,13 +131,6 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
     return messages
 
 
-def _entry_bytes(text: str, ids: IDs) -> int:
-    """What a segment-cache entry costs, estimated on the safe side: the key, the IDs
-    (an ``array('I')``: 4 bytes an ID and its header, over-allocation included) and the
-    dict slot."""
-    return sys.getsizeof(text) + 80 + 5 * len(ids) + 100
-
-
 class PromptTokenizer:
     """Turns request bodies into token IDs (``array('I')``), with a segment cache.
 
@@ -163,30 +149,28 @@ class PromptTokenizer:
         fast_bpe: bool = True,
         template_cache: bool = True,
         native_bpe: bool = True,
+        native_segments: bool = True,
     ) -> None:
         self.tokenizer_dir = tokenizer_dir
         self.cache_size = cache_size
         self.cache_bytes = cache_bytes
-        self._cache_used = 0
         self.trust_request_chat_template = trust_request_chat_template
         self.template_timeout_s = template_timeout_s
         self.max_token_id = MAX_TOKEN_ID
         self._template: Any = None
         self._special_map: dict[str, Any] = {}
-        self._cache: OrderedDict[str, IDs] = OrderedDict()
-        self.cache_hits = 0
-        self.cache_misses = 0
+        # The segment cache (kvroute.routing.segments): in Python for decide first and
+        # the other encoders, native where the native BPE encodes.
+        self.segments = PySegments({}, cache_size, cache_bytes)
+        self.native_segments: NativeSegments | None = None
         self._tok: Any = None
         self._fast: Any = None
         # The exact byte-level BPE encoder (kvroute.routing.bpe; its native core where
         # that reproduces the tokenizer too, unless ``native_bpe`` is off) when it
         # reproduces the tokenizer; None: the Rust tokenizer's own pipeline.
         self._bpe: FastBPE | None = None
-        self._special: re.Pattern[str] | None = None
         self._special_ids: dict[str, int] = {}
-        self._special_arrays: dict[str, IDs] = {}
         self._prefix_specials: list[int] = []
-        self._lock = threading.Lock()
         # Renders of the model's own template by conversation shape (template_cache).
         self._templates: TemplateCache | None = None
         # Rests of prompts routed before they were encoded (decide first).
@@ -195,6 +179,13 @@ class PromptTokenizer:
             self._load(tokenizer_dir)
             if fast_bpe:
                 self._bpe = self._load_bpe(native_bpe)
+            # Decide first (kvroute.routing.partial) reads the Python segment cache piece
+            # by piece: a router deciding first keeps its segment cache in Python.
+            if native_segments and self._bpe is not None and self._bpe.native is not None:
+                self.native_segments = NativeSegments(
+                    self._bpe, self._special_ids, self._prefix_specials, self.encode_ns,
+                    cache_size, cache_bytes,
+                )  # fmt: skip
             if template_cache and self._template is not None:
                 source = chat_template_source(self._tok)
                 why = why_not_cacheable(source) if source is not None else "no source"
@@ -248,7 +239,7 @@ class PromptTokenizer:
         self._fast = getattr(self._tok, "_tokenizer", None)
         specials = {t: i for t, i in self._tok.get_added_vocab().items() if t}
         self._special_ids = specials
-        self._special_arrays = {t: array.array("I", (i,)) for t, i in specials.items()}
+        self.segments = PySegments(specials, self.cache_size, self.cache_bytes)
         self.max_token_id = max([len(self._tok) - 1, *specials.values()])
         self._special_map = dict(self._tok.special_tokens_map)
         self._template = load_chat_template(self._tok, tokenizer_dir)
@@ -257,9 +248,6 @@ class PromptTokenizer:
             self._prefix_specials = list(self._tok.build_inputs_with_special_tokens([]))
         except Exception:
             self._prefix_specials = []
-        if specials:
-            alternation = "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True))
-            self._special = re.compile(f"({alternation})")
 
     @property
     def fast(self) -> bool:
@@ -272,88 +260,49 @@ class PromptTokenizer:
 
     # ------------------------------------------------------------------ encoding
 
-    def _lookup(self, pieces: list[str]) -> tuple[list[str | IDs], list[str]]:
-        """Each piece as its cached IDs (or itself when not cached), and the distinct
-        pieces still to encode. Special tokens map to their IDs."""
-        parts: list[str | IDs] = []
-        missing: dict[str, None] = {}
-        # The cache is shared with the encoding thread used for long texts: guard it.
-        with self._lock:
-            for piece in pieces:
-                if not piece:
-                    continue
-                sid = self._special_arrays.get(piece)
-                if sid is not None:
-                    parts.append(sid)
-                    continue
-                cached = self._cache.get(piece)
-                if cached is not None:
-                    self._cache.move_to_end(piece)
-                    self.cache_hits += 1
-                    parts.append(cached)
-                else:
-                    self.cache_misses += 1
-                    parts.append(piece)
-                    missing[piece] = None
-        return parts, list(missing)
-
     def _encode_missing(self, texts: list[str]) -> dict[str, IDs]:
-        """Encode ``texts`` in one call (the GIL is released while the Rust tokenizer
-        works) and cache the results."""
+        """Encode ``texts`` (the GIL is released while the Rust tokenizer works) and
+        put them in the Python segment cache."""
+        found = dict(zip(texts, self._encode(texts), strict=True))
+        self.segments.store(found)
+        return found
+
+    def _encode(self, texts: list[str]) -> list[IDs]:
         if self._bpe is not None:
-            encoded = [self._bpe.encode_ids(t) for t in texts]
-        elif self._fast is not None:
+            return [self._bpe.encode_ids(t) for t in texts]
+        if self._fast is not None:
             # The Rust tokenizer directly, without character offsets: transformers'
             # encode adds batching and padding logic, offsets ~15% more time.
             encode = getattr(self._fast, "encode_batch_fast", self._fast.encode_batch)
-            encoded = [array.array("I", e.ids) for e in encode(texts, add_special_tokens=False)]
-        else:
-            encoded = [
-                array.array("I", self._tok.encode(t, add_special_tokens=False)) for t in texts
-            ]
-        found = dict(zip(texts, encoded, strict=True))
-        self._store(found)
-        return found
+            return [array.array("I", e.ids) for e in encode(texts, add_special_tokens=False)]
+        return [array.array("I", self._tok.encode(t, add_special_tokens=False)) for t in texts]
 
-    def _store(self, found: dict[str, IDs]) -> None:
-        """Put encoded pieces in the segment cache, within its bounds."""
-        with self._lock:
-            for text, ids in found.items():
-                size = _entry_bytes(text, ids)
-                if size > self.cache_bytes // 4:
-                    continue  # one huge piece would flush everything else
-                old = self._cache.pop(text, None)
-                if old is not None:
-                    self._cache_used -= _entry_bytes(text, old)
-                self._cache[text] = ids
-                self._cache_used += size
-            while self._cache and (
-                len(self._cache) > self.cache_size or self._cache_used > self.cache_bytes
-            ):
-                text, ids = self._cache.popitem(last=False)
-                self._cache_used -= _entry_bytes(text, ids)
+    def _encode_native(
+        self, text: str, add_special_tokens: bool, budget_ns: int | None
+    ) -> IDs | None:
+        """``NativeSegments.encode``; a text that is not valid UTF-8 through the Python
+        segment cache."""
+        assert self.native_segments is not None
+        try:
+            return self.native_segments.encode(text, add_special_tokens, budget_ns)
+        except UnicodeEncodeError:
+            return self._encode_py(text, add_special_tokens)
 
-    @staticmethod
-    def _assemble(
-        parts: list[str | IDs], found: dict[str, IDs], prefix: list[int]
-    ) -> array.array[int]:
-        out = array.array("I", prefix)
-        for part in parts:
-            out.extend(found[part] if isinstance(part, str) else part)
-        return out
-
-    def _pieces(self, text: str) -> list[str]:
-        """``text`` split at special tokens (kept as their own pieces), as the tokenizer
-        itself splits before BPE."""
-        return self._special.split(text) if self._special is not None else [text]
+    def _encode_py(self, text: str, add_special_tokens: bool) -> IDs:
+        prefix = self._prefix_specials if add_special_tokens else []
+        parts, missing = self.segments.lookup(self.segments.pieces(text))
+        found = self._encode_missing(missing) if missing else {}
+        return self.segments.assemble(parts, found, prefix)
 
     def encode_text(self, text: str, *, add_special_tokens: bool = False) -> array.array[int]:
         """Encode ``text`` piecewise through the segment cache (synchronous)."""
         if self._tok is None:
             return utf8_tokens(text)
-        parts, missing = self._lookup(self._pieces(text))
-        found = self._encode_missing(missing) if missing else {}
-        return self._assemble(parts, found, self._prefix_specials if add_special_tokens else [])
+        if self.native_segments is not None:
+            ids = self._encode_native(text, add_special_tokens, None)
+            assert ids is not None
+            return ids
+        return self._encode_py(text, add_special_tokens)
 
     async def encode_text_async(
         self, text: str, *, add_special_tokens: bool = False
@@ -363,14 +312,21 @@ class PromptTokenizer:
         serving other requests (and a second core can help)."""
         if self._tok is None:
             return utf8_tokens(text)
-        parts, missing = self._lookup(self._pieces(text))
+        if self.native_segments is not None:
+            ids = self._encode_native(text, add_special_tokens, LOOP_BUDGET_NS)
+            if ids is None:  # over the loop's budget: nothing was encoded
+                ids = await asyncio.to_thread(self._encode_native, text, add_special_tokens, None)
+            assert ids is not None
+            return ids
+        prefix = self._prefix_specials if add_special_tokens else []
+        parts, missing = self.segments.lookup(self.segments.pieces(text))
         if not missing:
             found: dict[str, IDs] = {}
         elif offload(missing, self.encode_ns):
             found = await asyncio.to_thread(self._encode_missing, missing)
         else:
             found = self._encode_missing(missing)
-        return self._assemble(parts, found, self._prefix_specials if add_special_tokens else [])
+        return self.segments.assemble(parts, found, prefix)
 
     # ------------------------------------------------------------------ rendering
 
@@ -564,13 +520,24 @@ class PromptTokenizer:
         return self.finish(prompt)
 
     def cache_stats(self) -> dict[str, float]:
-        total = self.cache_hits + self.cache_misses
+        """The segment cache's counters: both caches' together (a router fills one)."""
+        py, native = self.segments, self.native_segments
+        hits, misses, entries, used = py.hits, py.misses, py.entries, py.used
+        if native is not None:
+            n = native.encoder
+            hits, misses, entries, used = (
+                hits + n.hits,
+                misses + n.misses,
+                entries + n.entries,
+                used + n.bytes,
+            )
+        total = hits + misses
         return {
-            "hits": self.cache_hits,
-            "misses": self.cache_misses,
-            "hit_rate": self.cache_hits / total if total else 0.0,
-            "entries": len(self._cache),
-            "bytes": self._cache_used,
+            "hits": hits,
+            "misses": misses,
+            "hit_rate": hits / total if total else 0.0,
+            "entries": entries,
+            "bytes": used,
             "template_hits": self._templates.hits if self._templates is not None else 0,
             "template_misses": self._templates.misses if self._templates is not None else 0,
             "decided_early": self.tails.early,

@@ -153,6 +153,7 @@ def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) ->
         cache_bytes=settings.tokenizer_cache_bytes,
         trust_request_chat_template=settings.trust_request_chat_template,
         template_timeout_s=settings.chat_template_timeout_secs,
+        native_segments=not settings.decide_first,
     )
     budget = None
     index: Any

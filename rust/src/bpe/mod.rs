@@ -15,12 +15,18 @@
 mod classes;
 mod merge;
 mod pretok;
+mod segment_cache;
+mod segments;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_segments;
 
 pub use classes::flags_of;
 pub use merge::Model;
 pub use pretok::{Scheme, DEEPSEEK_V3, LLAMA3, QWEN2};
+pub use segment_cache::{entry_bytes, SegmentCache};
+pub use segments::{CacheStats, Encoded, SegmentEncoder, Settings};
 
 /// Why an encoder cannot be built.
 #[derive(Debug, Clone, PartialEq, Eq)]
