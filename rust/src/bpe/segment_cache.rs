@@ -4,16 +4,18 @@
 //! Entries live in a slab (`slots`) threaded on a doubly-linked list in recency order
 //! (head: most recent), so a hit, an insert and an eviction are O(1). The order is the
 //! order of the calls that touched them, never the clock. The map is keyed by the
-//! piece's text (shared with its slot) and hashed with std's keyed SipHash (a key drawn
-//! per cache), so request texts chosen to collide cannot be computed in advance.
+//! piece's text (shared with its slot) and hashed with aHash keyed from the OS random
+//! source (keys drawn per cache), so request texts chosen to collide cannot be computed
+//! in advance; std's SipHash did the same at several times the cost on the long pieces
+//! a prompt repeats (a 6 KB system prompt hashed on every request).
 //!
 //! Settings: `max_entries` bounds the entries, `max_bytes` what they cost (`entry_bytes`:
 //! the text, 4 bytes an ID, and a fixed overhead for the map slot, the list links and
 //! the allocations). A piece costing more than a quarter of `max_bytes` is not kept:
 //! it would flush everything else.
 
+use ahash::RandomState;
 use std::collections::HashMap;
-use std::hash::RandomState;
 use std::sync::Arc;
 
 /// What an entry costs beyond its text and IDs (map slot, links, two allocations).
