@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import array
 import asyncio
+import resource
 import shutil
 import sys
 import time
@@ -163,8 +164,10 @@ async def requests(
     concurrency: int,
     parser: str = "hiredis",
     gap: float = 0.0005,
-) -> float:
-    """CPU µs per request, publishing included, as a router sees requests: each one's
+) -> tuple[float, float]:
+    """CPU µs per request, and of it in the kernel (system calls; on loopback also the
+    receiving side's TCP work and Redis's wake-up, which the sender pays), publishing
+    included, as a router sees requests: each one's
     decision (match, insert, work reserved), then its first byte, then its end;
     ``concurrency`` requests change in one event-loop turn (1: one at a time, every
     change published alone; more: as under load, changes of many requests together).
@@ -199,6 +202,7 @@ async def requests(
             await asyncio.sleep(0.0005)
 
     t0 = time.process_time_ns()
+    sys0 = resource.getrusage(resource.RUSAGE_SELF).ru_stime
     for start in range(0, n, concurrency):
         tickets = []
         for i in range(start, min(start + concurrency, n)):
@@ -214,10 +218,11 @@ async def requests(
             t.end(0.2)
         await idle()
     spent = time.process_time_ns() - t0
+    kernel = resource.getrusage(resource.RUSAGE_SELF).ru_stime - sys0
     if store is not None:
         assert store.counters.published == n, store.counters
         await stop(store)
-    return spent / n / 1000
+    return spent / n / 1000, kernel / n * 1e6
 
 
 def request_path(tokens: int, n: int, rounds: int = 5) -> tuple[float, float]:
@@ -341,9 +346,10 @@ def main() -> int:
                 "\n| prompt tokens | requests per loop turn | reply parser "
                 "| no store, token index (µs/request) | no store, digest index "
                 "| store before | store | store, reading idle "
-                "| store − digest: before / now | publishing alone (reading idle − digest) |"
+                "| store − digest: before / now | publishing alone (reading idle − digest) "
+                "| of it in the kernel |"
             )
-            print("|---|---|---|---|---|---|---|---|---|---|")
+            print("|---|---|---|---|---|---|---|---|---|---|---|")
             if args.before_store:
                 load_before(args.before_store)
             modes = tuple(
@@ -355,6 +361,7 @@ def main() -> int:
                 for c in concurrency:
                     for parser in args.parser.split(","):
                         sums = dict.fromkeys(modes, 0.0)
+                        kernel = dict.fromkeys(modes, 0.0)
                         for _ in range(args.rounds):  # interleaved rounds
                             for mode in modes:
                                 with redis.client() as cl:
@@ -368,7 +375,9 @@ def main() -> int:
                                     parser=parser,
                                     gap=args.gap_ms / 1000,
                                 )
-                                sums[mode] += run(coro) / args.rounds
+                                cpu, sys_us = run(coro)
+                                sums[mode] += cpu / args.rounds
+                                kernel[mode] += sys_us / args.rounds
                         tok, dig, sto, unr = (
                             sums[m] for m in ("token", "digest", "store", "unread")
                         )
@@ -376,7 +385,7 @@ def main() -> int:
                         print(
                             f"| {t:,} | {c} | {parser} | {tok:.1f} | {dig:.1f} | {rep:.1f} | "
                             f"{sto:.1f} | {unr:.1f} | {rep - dig:+.1f} / {sto - dig:+.1f} "
-                            f"| {unr - dig:+.1f} |",
+                            f"| {unr - dig:+.1f} | {kernel['unread'] - kernel['digest']:+.1f} |",
                             flush=True,
                         )
         finally:
