@@ -179,6 +179,8 @@ OTHER_PROGRAMS = {
     "--tokens",  # bench/shared_state_overhead.py
     "--before-store",  # bench/shared_state_overhead.py
     "--gap-ms",  # bench/shared_state_overhead.py
+    "--skip-background",  # bench/shared_state_overhead.py
+    "--parser",  # bench/shared_state_overhead.py
     "--release-delay-ms",  # bench/sim_shared_state.py
     "--baseline-python",  # bench/router_overhead.py
     "--instructions",  # bench/router_overhead.py
