@@ -290,9 +290,7 @@ class PromptTokenizer:
 
     def _encode_py(self, text: str, add_special_tokens: bool) -> IDs:
         prefix = self._prefix_specials if add_special_tokens else []
-        parts, missing = self.segments.lookup(self.segments.pieces(text))
-        found = self._encode_missing(missing) if missing else {}
-        return self.segments.assemble(parts, found, prefix)
+        return self.segments.encode(text, prefix, self._encode)
 
     def encode_text(self, text: str, *, add_special_tokens: bool = False) -> array.array[int]:
         """Encode ``text`` piecewise through the segment cache (synchronous)."""

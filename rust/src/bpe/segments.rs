@@ -186,7 +186,9 @@ impl SegmentEncoder {
         let mut cost = 0u64;
         let mut for_caller = Vec::new();
         for &piece in misses.iter().filter(|p| !given.contains_key(**p)) {
-            cost = cost.saturating_add(self.cost(piece));
+            if budget_ns.is_some() {
+                cost = cost.saturating_add(self.cost(piece));
+            }
             if self.is_unstable(piece) {
                 for_caller.push(piece.to_owned());
             }
