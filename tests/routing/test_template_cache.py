@@ -226,3 +226,28 @@ def test_shapes_are_bounded_and_request_templates_bypass_the_cache(tmp_path: Pat
     for _ in range(3):
         assert asyncio.run(tok.render_chat_async(m, body)) == "OWN v"
     assert tok.template_stats() == before
+
+
+def test_shape_keys_tell_every_field_but_the_texts_apart() -> None:
+    """Role-and-text messages take a short key; any other field (or a content that is
+    not a string) the general one; no two shapes share a key, texts never matter."""
+    cache = TemplateCache(lambda *a: "")
+    shapes = [
+        [{"role": "user", "content": "a"}],
+        [{"name": "user", "content": "a"}],
+        [{"role": "user", "content": "a", "name": "x"}],
+        [{"role": "user", "content": ["a"]}],
+        [{"role": "user", "content": None}],
+        [{"role": "assistant", "content": "a"}],
+        [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+    ]
+    keys = [cache._key(m, {}, None) for m in shapes]
+    assert keys[3] is None and keys[4] is None  # nothing to probe
+    found = [k[0] for k in keys if k is not None]
+    assert len(set(found)) == len(found) == len(shapes) - 2
+    mixed = [shapes[0][0], {"role": "user", "content": ["a"]}]
+    assert cache._key(mixed, {}, None) not in (None, keys[0])
+    retext = [{**m, "content": "other"} if isinstance(m["content"], str) else m for m in shapes[0]]
+    assert cache._key(retext, {}, None) == keys[0]
+    assert cache._key(shapes[0], {"enable_thinking": False}, None) != keys[0]
+    assert cache._key(shapes[0], {}, [{"type": "function"}]) != keys[0]

@@ -289,6 +289,7 @@ class TemplateCache:
         self.size = size
         self.max_bytes = max_bytes
         self._tag = f"\x00kvroute-{os.urandom(8).hex()}-"
+        self._tag_bytes = self._tag.encode()
         self._shapes: OrderedDict[bytes, Shape | None] = OrderedDict()
         self._seen: OrderedDict[int, None] = OrderedDict()
         self._used = 0
@@ -304,6 +305,17 @@ class TemplateCache:
     ) -> tuple[bytes, list[int]] | None:
         """The shape's key (every input but the messages' texts) and the indexes of the
         messages whose text is probed (a string; other contents stay in the key)."""
+        roles = []
+        for m in messages:  # the common case: every message a role and a text, only
+            if len(m) != 2 or type(m.get("content")) is not str or "role" not in m:
+                break
+            roles.append(m["role"])
+        else:
+            try:
+                key = b"r" + orjson.dumps([roles, kwargs, tools])
+            except TypeError:
+                return None
+            return None if self._tag_bytes in key else (key, list(range(len(messages))))
         probed = [i for i, m in enumerate(messages) if isinstance(m.get("content"), str)]
         if not probed:
             return None
@@ -314,10 +326,10 @@ class TemplateCache:
             for m in messages
         ]
         try:
-            key = orjson.dumps([shape, kwargs, tools])
+            key = b"g" + orjson.dumps([shape, kwargs, tools])
         except TypeError:
             return None
-        return None if self._tag.encode() in key else (key, probed)
+        return None if self._tag_bytes in key else (key, probed)
 
     def lookup(
         self, messages: list[dict[str, Any]], kwargs: dict[str, Any], tools: Any, bounds: Bounds
@@ -335,7 +347,8 @@ class TemplateCache:
             self.misses += 1
             return None
         contents = [messages[i]["content"] for i in probed]
-        if any(self._tag in c for c in contents):
+        tag = self._tag  # it starts with a NUL: a text without one (memchr) holds none
+        if any("\x00" in c and tag in c for c in contents):
             self.misses += 1
             return None
         fills = {self._marker(i): c for i, c in zip(probed, contents, strict=True)}
