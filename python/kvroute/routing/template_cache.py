@@ -279,6 +279,7 @@ class Shape:
     # when within the request's, saves checking every tracked string (``lookup``).
     longest: int
     most: list[int]
+    markers: list[str]  # the probed messages' markers, in order
 
 
 class TemplateCache:
@@ -348,18 +349,23 @@ class TemplateCache:
             return None
         contents = [messages[i]["content"] for i in probed]
         tag = self._tag  # it starts with a NUL: a text without one (memchr) holds none
-        if any("\x00" in c and tag in c for c in contents):
-            self.misses += 1
-            return None
-        fills = {self._marker(i): c for i, c in zip(probed, contents, strict=True)}
-        grow = [len(c) - len(m) for m, c in fills.items()]
-        bound = shape.longest + sum(k * max(g, 0) for k, g in zip(shape.most, grow, strict=True))
+        for c in contents:
+            if "\x00" in c and tag in c:
+                self.misses += 1
+                return None
+        markers = shape.markers
+        fills = dict(zip(markers, contents, strict=True))
+        bound = shape.longest
+        for k, c, m in zip(shape.most, contents, markers, strict=True):
+            if len(c) > len(m):
+                bound += k * (len(c) - len(m))
         if bound > bounds.max_chars:
+            grow = [len(c) - len(m) for m, c in fills.items()]
             for n, copies in shape.sizes:  # the bound is over: check each tracked string
                 if n + sum(k * g for k, g in zip(copies, grow, strict=True)) > bounds.max_chars:
                     self.misses += 1
                     return None
-        if not _holds(fills, shape.questions):
+        if shape.questions and not _holds(fills, shape.questions):
             self.misses += 1
             return None
         self.hits += 1
@@ -444,7 +450,7 @@ class TemplateCache:
         parts = re.split("(" + "|".join(map(re.escape, order)) + ")", text)
         longest = max(n for n, _ in sizes)
         most = [max(copies[j] for _, copies in sizes) for j in range(len(order))]
-        return Shape(text, rec.questions, steps, sizes, 2 * cost, parts, longest, most)
+        return Shape(text, rec.questions, steps, sizes, 2 * cost, parts, longest, most, order)
 
     def stats(self) -> dict[str, int]:
         return {"hits": self.hits, "misses": self.misses, "shapes": len(self._shapes)}
