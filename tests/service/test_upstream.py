@@ -558,3 +558,42 @@ async def test_answers_read_whole_without_header_lookups_or_spare_exceptions(
     assert pools.connections() == 1  # kept alive and reused
     answer = await forward.post(url + "/gz", b"{}", {})
     assert await read_answer(answer) == b"unpacked"
+
+
+async def test_a_body_read_times_out_after_a_silence_not_a_long_stream(
+    serve: Callable[[Handler], Awaitable[str]], client: Client
+) -> None:
+    """The body's read timeout (1 s here) counts from the last bytes received: a stream
+    whose chunks come 0.4 s apart for 2 s is read whole (one timer, re-armed, serves
+    every wait), one that goes silent for longer fails with ReadTimeout; so does a read
+    of the whole body."""
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        while True:
+            req = await _read_request(r)
+            w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n")
+            await w.drain()
+            if b"/steady" in req:
+                for _ in range(4):
+                    await asyncio.sleep(0.4)
+                    w.write(b"1\r\na\r\n")
+                    await w.drain()
+                w.write(b"0\r\n\r\n")
+                await w.drain()
+            else:
+                await asyncio.sleep(3)
+                return
+
+    url = await serve(handler)
+    c, pools = client
+    async with c.stream("POST", url + "/steady", content=b"{}") as resp:
+        body = b"".join([chunk async for chunk in resp.aiter_raw()])
+    assert body == b"a" * 5
+    assert (await c.post(url + "/steady", content=b"{}")).content == b"a" * 5
+    with pytest.raises(httpx.ReadTimeout):
+        async with c.stream("POST", url + "/silent", content=b"{}") as resp:
+            async for _ in resp.aiter_raw():
+                pass
+    with pytest.raises(httpx.ReadTimeout):
+        await c.post(url + "/silent", content=b"{}")
+    assert pools.connections() == 0

@@ -93,6 +93,11 @@ class Connection(asyncio.Protocol):
         self.reused = False
         self.idle_since = 0.0
         self.writable: asyncio.Future[None] | None = None
+        # The body read's timeout: a deadline (loop time) behind one lazily re-armed
+        # timer, not a timer per wait: a stream waits once per event, and creating and
+        # cancelling a timer costs ~1.7 µs each time (more than the rest of the wait).
+        self.read_due: float | None = None
+        self.read_timer: asyncio.TimerHandle | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -133,6 +138,7 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._drop_read_timer()
         self.origin.forget(self)
         if self.writable is not None and not self.writable.done():
             self.writable.set_exception(httpx.WriteError("connection closed while writing"))
@@ -271,7 +277,40 @@ class Connection(asyncio.Protocol):
         if self.transport is not None and not self.closed:
             self.transport.close()
         self.closed = True
+        self._drop_read_timer()
         self.origin.forget(self)
+
+    def _drop_read_timer(self) -> None:
+        if self.read_timer is not None:
+            self.read_timer.cancel()
+            self.read_timer = None
+
+    async def wait_body(self, limit_s: float | None) -> None:
+        """Wait for more of the answer's body; past ``limit_s`` seconds without any, the
+        wait fails with ``httpx.ReadTimeout`` (the deadline of ``read_due``)."""
+        fut = self.waiter = self.loop.create_future()
+        if limit_s is None:
+            await fut
+            return
+        self.read_due = self.loop.time() + limit_s
+        if self.read_timer is None:
+            self.read_timer = self.loop.call_at(self.read_due, self._read_timer_fired)
+        try:
+            await fut
+        finally:
+            self.read_due = None
+
+    def _read_timer_fired(self) -> None:
+        """The body read's timer: a wait still past its deadline fails; a later wait's
+        deadline re-arms it; with no wait left it is dropped."""
+        self.read_timer = None
+        due = self.read_due
+        if due is None or self.closed:
+            return
+        if self.loop.time() < due:
+            self.read_timer = self.loop.call_at(due, self._read_timer_fired)
+            return
+        _expire(self.waiter, httpx.ReadTimeout, "read timed out")  # type: ignore[arg-type]
 
 
 class _Body(httpx.AsyncByteStream):
@@ -294,8 +333,7 @@ class _Body(httpx.AsyncByteStream):
                 break
             if conn.error is not None:
                 raise conn.error
-            conn.waiter = conn.loop.create_future()
-            await _wait(conn.waiter, self.read_timeout, httpx.ReadTimeout, "read timed out")
+            await conn.wait_body(self.read_timeout)
         return b"" if not parts else parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
@@ -308,13 +346,7 @@ class _Body(httpx.AsyncByteStream):
                 return
             if conn.error is not None:
                 raise conn.error
-            conn.waiter = conn.loop.create_future()
-            await _wait(
-                conn.waiter,
-                self.read_timeout,
-                httpx.ReadTimeout,
-                "read timed out",
-            )
+            await conn.wait_body(self.read_timeout)
 
     async def aclose(self) -> None:
         if not self.ended:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import orjson
 from starlette.requests import ClientDisconnect
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from kvroute.errors import (
@@ -74,8 +74,16 @@ def new_request_id() -> str:
     return f"{random.getrandbits(96):024x}"
 
 
-class ProxyStream(StreamingResponse):
-    """A streamed upstream answer; ``cleanup`` runs once whatever ends the response."""
+class ProxyStream(Response):
+    """A streamed upstream answer; ``cleanup`` runs once whatever ends the response.
+
+    Each chunk of ``body`` goes to the client as it comes. A client that leaves ends the
+    stream at once (the upstream request is closed, so the engine stops generating):
+    a listener task waits for the ``http.disconnect`` message and cancels the sending
+    task, whose cancellation is then absorbed. This is what Starlette's
+    ``StreamingResponse`` does for ASGI 2.3 servers (uvicorn), without its task group: an
+    anyio task group, two tasks and their wrappers on every stream, and two more frames
+    resumed for every chunk."""
 
     def __init__(
         self,
@@ -85,25 +93,67 @@ class ProxyStream(StreamingResponse):
         cleanup: Callable[[], Any],
         draining: Callable[[], bool] = lambda: False,
     ) -> None:
-        super().__init__(body, status_code=status_code)
+        self.body_iterator = body
+        self.status_code = status_code
         self.raw_headers = raw_headers
+        self.background = None
         self._cleanup = cleanup
         self._draining = draining
+        self._ended = False  # sent to the end (or given up): a disconnect no longer cancels
+        self._gone = False  # the client left mid-stream
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        listener = asyncio.ensure_future(_disconnected(receive))
+
+        def left(done: asyncio.Future[None]) -> None:
+            if not done.cancelled() and done.exception() is None and not self._ended:
+                self._gone = True
+                task.cancel()
+
+        listener.add_done_callback(left)
         try:
-            await super().__call__(scope, receive, send)
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": self.status_code,
+                    "headers": self.raw_headers,
+                }
+            )
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            self._ended = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
-            if not self._draining():
+            if self._gone:
+                task.uncancel()  # the client left: nothing more to send, nothing failed
+            elif self._draining():
+                # The shutdown grace period ran out mid-stream: end the stream with an
+                # error event the client can see (after a blank line, in case the last
+                # chunk ended mid-event) rather than a bare cut and a logged traceback.
+                msg = "the router is shutting down and the stream outlived its grace period"
+                event = error_body(msg, "service_unavailable", "shutting_down")
+                await send({"type": "http.response.body", "body": b"\n\ndata: " + event + b"\n\n"})
+            else:
                 raise
-            # The shutdown grace period ran out mid-stream: end the stream with an error
-            # event the client can see (after a blank line, in case the last chunk ended
-            # mid-event) rather than a bare cut and a logged traceback.
-            msg = "the router is shutting down and the stream outlived its grace period"
-            event = error_body(msg, "service_unavailable", "shutting_down")
-            await send({"type": "http.response.body", "body": b"\n\ndata: " + event + b"\n\n"})
         finally:
-            await self._cleanup()
+            self._ended = True
+            listener.cancel()
+            # Cancelled in ``send``, the body's generator is left at a yield: close it
+            # now rather than when it is collected.
+            aclose = getattr(self.body_iterator, "aclose", None)
+            try:
+                if aclose is not None:
+                    await aclose()
+            finally:
+                await self._cleanup()
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Return when the client has disconnected (the request body is already read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def read_body(request: Incoming, limit: int) -> bytes:
