@@ -304,6 +304,7 @@ class Job:
 @dataclass
 class Result:
     latencies: list[float] = field(default_factory=list)
+    first_bytes: list[float] = field(default_factory=list)  # streams: to the first event
     statuses: Counter[int] = field(default_factory=Counter)
     first_start: float = 0.0
     last_end: float = 0.0
@@ -366,7 +367,15 @@ def client_main(conn: Connection) -> None:
                     return
                 t0 = time.perf_counter()
                 try:
-                    r = await client.post("/v1/chat/completions", content=body, headers=headers)
+                    if job.stream:
+                        async with client.stream(
+                            "POST", "/v1/chat/completions", content=body, headers=headers
+                        ) as r:
+                            async for _ in r.aiter_raw():
+                                if len(res.first_bytes) < len(res.latencies) + 1:
+                                    res.first_bytes.append(time.perf_counter() - t0)
+                    else:
+                        r = await client.post("/v1/chat/completions", content=body, headers=headers)
                     status = r.status_code
                 except httpx.HTTPError:
                     status = -1
@@ -425,6 +434,7 @@ class LoadPool:
         total = Result()
         for p in parts:
             total.latencies.extend(p.latencies)
+            total.first_bytes.extend(p.first_bytes)
             total.statuses.update(p.statuses)
         total.first_start = min(p.first_start for p in parts)
         total.last_end = max(p.last_end for p in parts)
@@ -489,6 +499,7 @@ def tree_cpu_s(pid: int) -> float:
 @dataclass
 class Cell:
     latencies: list[float] = field(default_factory=list)
+    first_bytes: list[float] = field(default_factory=list)
     wall_s: float = 0.0
     requests: int = 0
     errors: int = 0
@@ -934,6 +945,7 @@ def main() -> int:
                     user1, sys1 = tree_cpu(watch) if watch else (0.0, 0.0)
                     c = cells[(name, conc)]
                     c.latencies.extend(res.latencies)
+                    c.first_bytes.extend(res.first_bytes)
                     c.wall_s += res.last_end - res.first_start
                     c.requests += len(res.latencies)
                     c.errors += len(res.latencies) - res.statuses.get(200, 0)
@@ -998,6 +1010,30 @@ def main() -> int:
                     f"| {d50} | {d99} | {cpu} |{event} {kernel} | {cores} "
                     f"| {100 * c.client_cpu_s / c.wall_s:.0f} | {c.errors} |"
                 )
+        if streaming:
+            print(
+                "\n| target | conns | first event p50 ms | p99 ms | +p50 ms | +p99 ms "
+                "| whole stream p50 ms | +p50 ms |"
+            )
+            print("|---|---:|---:|---:|---:|---:|---:|---:|")
+            for conc in args.concurrency:
+                base = cells.get(("direct", conc))
+                for name in names:
+                    c = cells[(name, conc)]
+                    if not c.first_bytes:
+                        continue
+                    f50, f99 = pct(c.first_bytes, 0.5) * 1e3, pct(c.first_bytes, 0.99) * 1e3
+                    w50 = pct(c.latencies, 0.5) * 1e3
+                    if base and name != "direct" and base.first_bytes:
+                        d50 = f"{f50 - pct(base.first_bytes, 0.5) * 1e3:+.1f}"
+                        d99 = f"{f99 - pct(base.first_bytes, 0.99) * 1e3:+.1f}"
+                        dw = f"{w50 - pct(base.latencies, 0.5) * 1e3:+.1f}"
+                    else:
+                        d50 = d99 = dw = "–"
+                    print(
+                        f"| {name} | {conc} | {f50:.1f} | {f99:.1f} | {d50} | {d99} "
+                        f"| {w50:.1f} | {dw} |"
+                    )
         if args.syscalls > 0:
             count_syscalls(pool, names, targets, args.syscalls)
         if args.instructions > 0:
