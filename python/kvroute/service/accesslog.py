@@ -30,7 +30,7 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvroute.service.proxy import REQUEST_ID_RE, new_request_id
+from kvroute.service.proxy import RAW_SEND, REQUEST_ID_RE, new_request_id
 
 log = logging.getLogger("kvroute.access")
 
@@ -72,6 +72,10 @@ async def record(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> No
             first = time.perf_counter()
         await send(message)
 
+    # The server's own ``send``: once the head and the first body bytes went through
+    # ``watch`` it has all it records, and a streamed answer's later chunks (one per
+    # token) may skip it (``ProxyStream``).
+    scope[RAW_SEND] = send
     try:
         await app(scope, receive, watch)
     except asyncio.CancelledError:

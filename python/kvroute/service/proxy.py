@@ -74,6 +74,10 @@ def new_request_id() -> str:
     return f"{random.getrandbits(96):024x}"
 
 
+# Scope key of the server's own ``send`` when the access log wraps it (``accesslog``).
+RAW_SEND = "kvroute.raw_send"
+
+
 class ProxyStream(Response):
     """A streamed upstream answer; ``cleanup`` runs once whatever ends the response.
 
@@ -121,10 +125,13 @@ class ProxyStream(Response):
                     "headers": self.raw_headers,
                 }
             )
+            out = send
             async for chunk in self.body_iterator:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await out({"type": "http.response.body", "body": chunk, "more_body": True})
+                if chunk:  # the access log saw the first bytes: the rest may go around it
+                    out = scope.get(RAW_SEND, send)
             self._ended = True
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await out({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if self._gone:
                 task.uncancel()  # the client left: nothing more to send, nothing failed
