@@ -4,6 +4,7 @@ nothing of the prompt; ``--log-format json`` turns the same record into JSON fie
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -18,12 +19,16 @@ WORKER = "http://w1:8000"
 SECRET_PROMPT = "the launch code is 0000"
 
 
-async def _router(**settings: Any) -> tuple[httpx.AsyncClient, Any]:
+async def _router(
+    handler: Callable[[httpx.Request], httpx.Response] | None = None, **settings: Any
+) -> tuple[httpx.AsyncClient, Any]:
     app = create_app(Settings(worker_urls=[WORKER], **settings).validate())
     ctx = app.router.lifespan_context(app)
     await ctx.__aenter__()
 
     def handle(request: httpx.Request) -> httpx.Response:
+        if handler is not None:
+            return handler(request)
         return httpx.Response(200, json={"choices": [{"text": "ok"}]})
 
     await app.state.router.use_transport(httpx.MockTransport(handle))
@@ -152,3 +157,30 @@ async def test_a_client_gone_mid_body_is_a_499_not_an_error(
     (record,) = _records(access)
     assert record.status == 499 and record.worker is None  # type: ignore[attr-defined]
     assert [r for r in access.records if r.levelno >= logging.WARNING] == []
+
+
+async def test_a_streamed_answer_is_logged_once_and_relayed_whole(
+    access: pytest.LogCaptureFixture,
+) -> None:
+    """The events after the first go around the log's ``send`` wrapper: the record still
+    has the status, the worker and the first byte's time, and the client every event."""
+    events = [b'data: {"n": %d}\n\n' % i for i in range(20)] + [b"data: [DONE]\n\n"]
+
+    async def body() -> AsyncIterator[bytes]:
+        for event in events:
+            yield event
+
+    def stream(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
+
+    client, ctx = await _router(stream)
+    try:
+        r = await client.post("/v1/completions", json={"prompt": "p", "stream": True})
+    finally:
+        await client.aclose()
+        await ctx.__aexit__(None, None, None)
+    assert r.status_code == 200 and r.content == b"".join(events)
+    (record,) = _records(access)
+    assert record.status == 200 and record.worker == WORKER  # type: ignore[attr-defined]
+    assert 0 < record.ttft_ms <= record.latency_ms  # type: ignore[attr-defined]
+    assert record.request_id == r.headers["x-request-id"]  # type: ignore[attr-defined]
