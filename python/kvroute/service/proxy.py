@@ -75,6 +75,9 @@ def new_request_id() -> str:
 
 
 # Scope key of the server's own ``send`` when the access log wraps it (``accesslog``).
+# A stream's later chunks go through it, past every wrapper between the log and the
+# response: none of kvroute's transforms a body (no middleware; Starlette's exception
+# handling only notes that the response started).
 RAW_SEND = "kvroute.raw_send"
 
 
