@@ -184,3 +184,37 @@ async def test_a_streamed_answer_is_logged_once_and_relayed_whole(
     assert record.status == 200 and record.worker == WORKER  # type: ignore[attr-defined]
     assert 0 < record.ttft_ms <= record.latency_ms  # type: ignore[attr-defined]
     assert record.request_id == r.headers["x-request-id"]  # type: ignore[attr-defined]
+
+
+def test_the_text_formatter_writes_what_logging_writes() -> None:
+    """The once-a-second timestamp cache changes no line: records within a second, across
+    seconds and with any milliseconds format as ``logging.Formatter`` formats them."""
+    from kvroute.commands._logs import TEXT_FORMAT, TextFormatter
+
+    ours, stock = TextFormatter(TEXT_FORMAT), logging.Formatter(TEXT_FORMAT)
+    record = logging.LogRecord("kvroute.access", logging.INFO, "", 0, "a %s", ("b",), None)
+    for created in (1_700_000_000.0, 1_700_000_000.999, 1_700_000_001.0005, 1_700_000_000.5):
+        record.created, record.msecs = created, (created - int(created)) * 1000
+        assert ours.format(record) == stock.format(record)
+    assert ours.formatTime(record, "%H") == stock.formatTime(record, "%H")
+
+
+def test_setup_logging_gives_records_their_fields_for_json_only() -> None:
+    from kvroute.commands._logs import setup_logging
+    from kvroute.service import accesslog
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        setup_logging("info", "text")
+        assert accesslog.FIELDS is False
+        setup_logging("info", "json")
+        assert accesslog.FIELDS is True
+    finally:
+        accesslog.FIELDS = True
+        logging.captureWarnings(False)
+        for h in list(root.handlers):
+            root.removeHandler(h)
+        for h in handlers:
+            root.addHandler(h)
+        root.setLevel(level)

@@ -35,6 +35,9 @@ from kvroute.service.proxy import RAW_SEND, REQUEST_ID_RE, new_request_id
 log = logging.getLogger("kvroute.access")
 
 QUIET = frozenset(("/health", "/readiness", "/metrics"))
+# Whether each record carries the fields as attributes too (``--log-format json`` reads
+# them; the text format only the message). ``setup_logging`` sets it for its format.
+FIELDS = True
 MAX_ROUTE = 256
 
 
@@ -122,14 +125,18 @@ def _emit(
         "-" if tokens is None else tokens,
         "-" if ttft is None else ttft,
         latency,
-        extra={
-            "request_id": rid,
-            "method": scope["method"],
-            "route": route,
-            "status": status,
-            "worker": None if worker == "-" else worker,
-            "prompt_tokens": tokens,
-            "ttft_ms": ttft,
-            "latency_ms": latency,
-        },
+        extra=(
+            {
+                "request_id": rid,
+                "method": scope["method"],
+                "route": route,
+                "status": status,
+                "worker": None if worker == "-" else worker,
+                "prompt_tokens": tokens,
+                "ttft_ms": ttft,
+                "latency_ms": latency,
+            }
+            if FIELDS
+            else None
+        ),
     )
