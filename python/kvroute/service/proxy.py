@@ -128,11 +128,11 @@ class ProxyStream(Response):
                     "headers": self.raw_headers,
                 }
             )
-            out = send
+            out, rest = send, scope.get(RAW_SEND, send)
             async for chunk in self.body_iterator:
                 await out({"type": "http.response.body", "body": chunk, "more_body": True})
                 if chunk:  # the access log saw the first bytes: the rest may go around it
-                    out = scope.get(RAW_SEND, send)
+                    out = rest
             self._ended = True
             await out({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
