@@ -55,11 +55,14 @@ from kvroute.sim.cost import CostModel
 from kvroute.sim.fleet import FleetConfig, Prepared, heterogeneous, prepare, simulate, upper_bound
 from kvroute.sim.report import ResultRow
 
+# Settings per row; "engine_budgets" is the fleet's (FleetConfig), the rest the policy's.
+# kvroute's rows budget their index as serve does (each worker's reported KV capacity);
+# SGLang's router's tree (2^26 characters by default) evicts nothing at these sizes.
 POLICIES: list[tuple[str, str, dict[str, Any]]] = [
     ("min_ttft", "min_ttft", {}),
     ("cache_aware (work)", "cache_aware", {"load_metric": "work"}),
-    ("cache_aware (requests)", "cache_aware", {"load_metric": "requests"}),
-    ("round_robin", "round_robin", {}),
+    ("cache_aware (requests)", "cache_aware", {"load_metric": "requests", "engine_budgets": False}),
+    ("round_robin", "round_robin", {"engine_budgets": False}),
 ]
 BASELINE = "cache_aware (requests)"
 
@@ -184,7 +187,9 @@ def reachable(b: dict[str, float], base: dict[str, float | None], base_cap: floa
 
 
 def run(prep: Prepared, policy: str, settings: dict[str, Any], cfg: FleetConfig) -> ResultRow:
-    c = replace(cfg, policy_settings={**cfg.policy_settings, **settings})
+    settings = dict(settings)
+    budgets = settings.pop("engine_budgets", cfg.engine_budgets)
+    c = replace(cfg, engine_budgets=budgets, policy_settings={**cfg.policy_settings, **settings})
     return simulate(prep, policy, c)
 
 

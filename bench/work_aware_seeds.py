@@ -210,9 +210,11 @@ def workload_seeds(n: int, draws: int, rates: str) -> None:
             runs: dict[str, list[ResultRow]] = {k: [] for k in p90s}
             for d in range(1, draws + 1):
                 p = at_rate(prep, rate, d)
-                runs["rule"].append(run(p, "cache_aware", {"load_metric": "requests"}, cfg))
-                runs["work"].append(run(p, "cache_aware", {"load_metric": "work"}, cfg))
-                runs["rotated"].append(simulate(p, rule_rotated, cfg))
+                runs["rule"].append(run(p, POLICIES[2][1], POLICIES[2][2], cfg))
+                runs["work"].append(run(p, POLICIES[1][1], POLICIES[1][2], cfg))
+                runs["rotated"].append(
+                    simulate(p, rule_rotated, replace(cfg, engine_budgets=False))
+                )
             m90 = {k: float(np.mean([x.ttft_p90 for x in v])) for k, v in runs.items()}
             m99 = {k: float(np.mean([x.ttft_p99 for x in v])) for k, v in runs.items()}
             for k in p90s:

@@ -147,8 +147,9 @@ def configure(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="TOKENS",
-        help="cached tokens remembered per worker (mirror the engine's KV capacity); "
-        "least recently used prefixes are evicted past it. Default: unbounded",
+        help="cached tokens remembered per worker; least recently used prefixes are "
+        "evicted past it. Default: each worker's KV capacity as its engine reports it "
+        "(else --tree-size-fallback)",
     )
     g.add_argument(
         "--eviction-interval-secs",

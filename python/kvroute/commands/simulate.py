@@ -61,7 +61,14 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
         "--max-tree-size",
         type=int,
         default=None,
-        help="the router's index budget per worker in tokens (default: unbounded, as serve)",
+        help="the router's index budget per worker in tokens (default: each worker's KV "
+        "capacity, --capacity-tokens, as serve reads it from the engines)",
+    )
+    p.add_argument(
+        "--unbounded-index",
+        action="store_true",
+        help="no index budget: the index never evicts (as SGLang's router's tree, 2^26 "
+        "characters by default, at most sizes), whatever the engines evict",
     )
     p.add_argument("--seed", type=int, default=0)
     add_output_blocks_flag(p)
@@ -209,6 +216,7 @@ def fleet_config(args: argparse.Namespace) -> Any:
             heterogeneous(cost, args.workers, slow, args.slow_prefill_factor) if slow else None
         ),
         max_tree_size=args.max_tree_size,
+        engine_budgets=not getattr(args, "unbounded_index", False),
         policy_settings={
             "seed": args.seed,
             "worker_capacity": capacity,

@@ -79,8 +79,12 @@ class FleetConfig:
     capacity_tokens: int = DEFAULT_CAPACITY_TOKENS
     block_size: int = DEFAULT_BLOCK_SIZE
     cost: CostModel = field(default_factory=CostModel)
-    # The router's --max-tree-size (tokens per worker in its index); None = unbounded.
+    # The router's --max-tree-size (tokens per worker in its index). None: as serve
+    # without it, each worker's budget is the KV capacity its engine reports
+    # (``capacity_tokens``; kvroute.fleet.budget), or unbounded if ``engine_budgets``
+    # is off (serve before it read the engines).
     max_tree_size: int | None = None
+    engine_budgets: bool = True
     policy_settings: dict[str, Any] = field(default_factory=dict)
     # cache_aware learns each worker's capacity when it is first seen queueing: at once,
     # or (``learn_at_polls``) as the router does, only when one of its /metrics polls
@@ -230,6 +234,7 @@ def simulate(
         names,
         replicas=cfg.router_replicas,
         max_tree_size=cfg.max_tree_size,
+        worker_budgets=[cfg.capacity_tokens] * nw if cfg.engine_budgets else None,
         learner=learner,
         events=events,
         store_delay_s=cfg.state_store_delay_s,

@@ -6,7 +6,7 @@ What an approximate router cannot see, modelled so precise mode can be judged on
 * **Router replicas** (an HA deployment, ``replicas`` > 1). ``kvroute serve`` keeps its
   state per process: its approximate index holds what *it* routed, its loads are the
   requests *it* sent and has not seen end (``workers.Registry``). Here each replica is its
-  own policy instance with its own ``PrefixIndex`` (same ``max_tree_size``) and its own
+  own policy instance with its own ``PrefixIndex`` (budgeted alike) and its own
   loads, and routed requests are dealt to the replicas in turn (a round-robin load
   balancer in front of them). What the replicas share is what they read from the
   engines: the saturation guard's capacities come from the engines' ``/metrics`` (one
@@ -54,6 +54,8 @@ from typing import cast
 import numpy as np
 
 from kvroute._native import BlockIndex, PrefixIndex
+from kvroute.config import Settings
+from kvroute.fleet.budget import IndexBudget
 from kvroute.fleet.engine_load import CapacityLearner
 from kvroute.fleet.shared import DigestIndex
 from kvroute.routing.load import LoadModel, Ticket
@@ -103,6 +105,11 @@ def bypass_plan(n: int, fraction: float, workers: int, seed: int) -> list[int]:
     return np.where(goes, where, -1).tolist()  # type: ignore[no-any-return]
 
 
+# serve's defaults (--tree-size-fallback, --max-total-tree-size).
+TREE_SIZE_FALLBACK = Settings.tree_size_fallback
+MAX_TOTAL_TREE_SIZE = Settings.max_total_tree_size
+
+
 class RouterTier:
     """``replicas`` instances of one policy in front of ``names``; see the module doc."""
 
@@ -117,6 +124,7 @@ class RouterTier:
         events: InstantEvents | None = None,
         store_delay_s: float | None = None,
         heartbeat_s: float = 0.5,
+        worker_budgets: Sequence[int] | None = None,
     ) -> None:
         if replicas < 1:
             raise ValueError("router replicas must be >= 1")
@@ -131,12 +139,16 @@ class RouterTier:
         self._work_wire: deque[tuple[float, int, str, tuple[int, int, int]]] = deque()
         self._now = 0.0
         if self.shared:
-            self.indexes = [DigestIndex(max_tree_size) for _ in range(replicas)]
+            # As serve: one budget for every worker, so the replicas evict alike.
+            size = max_tree_size or TREE_SIZE_FALLBACK
+            self.indexes = [DigestIndex(size) for _ in range(replicas)]
             for k, ix in enumerate(self.indexes):
                 ix.on_insert = self._publisher(k)
             self.policies = [make(cast(PrefixIndex, ix)) for ix in self.indexes]
         else:
-            self.policies = [make(PrefixIndex(max_tree_size)) for _ in range(replicas)]
+            self.policies = [
+                make(self._index(max_tree_size, worker_budgets)) for _ in range(replicas)
+            ]
         self.peer: list[dict[str, int]] = [dict.fromkeys(self.names, 0) for _ in self.policies]
         self.loads: list[dict[str, int]] = [dict.fromkeys(self.names, 0) for _ in self.policies]
         self.others: list[dict[str, int]] = [dict.fromkeys(self.names, 0) for _ in self.policies]
@@ -178,6 +190,20 @@ class RouterTier:
         self._next = 0
         # request -> (replica, its decision, its work): released when the request ends.
         self._open: dict[int, tuple[int, Decision, Ticket]] = {}
+
+    def _index(self, max_tree_size: int | None, budgets: Sequence[int] | None) -> PrefixIndex:
+        """A replica's index, budgeted as serve budgets it: ``max_tree_size`` when given
+        (``--max-tree-size``), else each worker's KV capacity as its engine reports it
+        (``budgets``, in tokens), through serve's own ``IndexBudget``; neither: unbounded."""
+        if max_tree_size is not None or budgets is None:
+            return PrefixIndex(max_tree_size)
+        if len(budgets) != len(self.names):
+            raise ValueError("worker_budgets must give one budget per worker")
+        plan = IndexBudget(TREE_SIZE_FALLBACK, MAX_TOTAL_TREE_SIZE, index_in_bytes=False)
+        plan.reported.update(zip(self.names, budgets, strict=True))
+        index = PrefixIndex(plan.budget_for("", 1))
+        plan.apply(index, self.names)
+        return index
 
     def _publisher(self, k: int) -> Callable[[str, bytes], None]:
         def publish(worker: str, digests: bytes) -> None:
