@@ -275,7 +275,17 @@ def main() -> int:
         "with SGLang's rule's p50 and capacity in those JSON results",
     )
     p.add_argument("--against", nargs="*", default=[], help="JSON files written by --out")
+    p.add_argument(
+        "--ratios",
+        nargs="+",
+        metavar="JSON",
+        help="no simulation: the summary table (ratios to SGLang's rule) of results "
+        "written by --out, one row per scenario and file",
+    )
     args = p.parse_args()
+    if args.ratios:
+        print(ratio_table(args.ratios))
+        return 0
     trace = args.trace if args.trace and Path(args.trace).exists() else None
     chosen = set(args.only.split(",")) if args.only else None
     results: dict[str, Any] = {"slo_s": args.slo, "load": args.load, "scenarios": {}}
@@ -346,6 +356,40 @@ def main() -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1, default=float))
     return 0
+
+
+def ratio_table(paths: list[str]) -> str:
+    """Markdown: per scenario in each ``--out`` file, min_ttft's and cache_aware (work)'s
+    TTFT p50 / p90 / p99 and capacity over SGLang's rule's, min_ttft's hit rate over the
+    bound and its p50 over round-robin's."""
+    lines = [
+        "| scenario | results | `min_ttft` TTFT p50 / p90 / p99 | capacity @ SLO | hit / bound "
+        "| `cache_aware (work)` p50 / p90 / p99 | capacity | `min_ttft` p50 / round-robin's |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for path in paths:
+        for name, sc in json.loads(Path(path).read_text())["scenarios"].items():
+            if "rows" not in sc:
+                continue
+            rows = {r["name"]: r for r in sc["rows"]}
+            base, caps = rows[BASELINE], sc.get("capacity") or {}
+
+            def ttft(label: str, rows: dict[str, Any] = rows, base: Any = base) -> str:
+                return " / ".join(
+                    f"{rows[label][f'ttft_p{q}'] / base[f'ttft_p{q}']:.2f}" for q in (50, 90, 99)
+                )
+
+            def cap(label: str, caps: dict[str, float] = caps) -> str:
+                return f"{caps[label] / caps[BASELINE]:.2f}x" if caps.get(BASELINE) else "-"
+
+            m = rows["min_ttft"]
+            lines.append(
+                f"| {name} | {Path(path).name} | {ttft('min_ttft')} | {cap('min_ttft')} "
+                f"| {m['hit_rate'] / sc['upper_bound']:.2f} | {ttft('cache_aware (work)')} "
+                f"| {cap('cache_aware (work)')} "
+                f"| {m['ttft_p50'] / rows['round_robin']['ttft_p50']:.2f} |"
+            )
+    return "\n".join(lines)
 
 
 def stored(paths: list[str], name: str) -> tuple[dict[str, float | None], float | None]:

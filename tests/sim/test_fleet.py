@@ -6,6 +6,7 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
+import numpy as np
 import orjson
 import pytest
 
@@ -14,7 +15,14 @@ from kvroute.cli import main
 from kvroute.routing.policies.base import Decision, Policy, RouteRequest
 from kvroute.sim import workloads as wl
 from kvroute.sim.cost import CostModel
-from kvroute.sim.fleet import FleetConfig, compare, prepare, simulate, upper_bound
+from kvroute.sim.fleet import (
+    FleetConfig,
+    compare,
+    prepare,
+    simulate,
+    upper_bound,
+    worker_names,
+)
 from kvroute.sim.report import markdown_table, to_json
 
 
@@ -156,6 +164,60 @@ def test_index_is_shared_with_policy() -> None:
         FleetConfig(workers=2, max_tree_size=5000),
     )
     assert len(seen) == 1 and seen[0].max_tokens_per_worker == 5000
+
+
+def test_the_index_is_budgeted_as_serve_budgets_it() -> None:
+    """Without --max-tree-size serve gives each worker's index the KV capacity its engine
+    reports; so does the simulator (its engines report ``capacity_tokens``), unless told
+    the index is unbounded; ``max_tree_size`` overrides both."""
+    seen: list[PrefixIndex] = []
+
+    def factory(index: PrefixIndex) -> Policy:
+        seen.append(index)
+        return FirstWorker()
+
+    prep = prepare(small_gsp(groups=1, prompts_per_group=2), 16)
+    names = worker_names(2)
+    simulate(prep, factory, FleetConfig(workers=2, capacity_tokens=3000))
+    simulate(prep, factory, FleetConfig(workers=2, capacity_tokens=3000, engine_budgets=False))
+    simulate(prep, factory, FleetConfig(workers=2, capacity_tokens=3000, max_tree_size=5000))
+    assert [[ix.worker_budget(w) for w in names] for ix in seen] == [
+        [3000, 3000],
+        [None, None],
+        [5000, 5000],
+    ]
+
+
+def test_simulate_budgets_the_index_unless_told_it_is_unbounded() -> None:
+    import argparse
+
+    from kvroute.commands import simulate as cmd
+
+    p = argparse.ArgumentParser()
+    cmd.configure(p)
+    assert cmd.fleet_config(p.parse_args([])).engine_budgets is True
+    assert cmd.fleet_config(p.parse_args(["--unbounded-index"])).engine_budgets is False
+
+
+def test_a_budgeted_index_forgets_what_the_engines_evicted() -> None:
+    """A prompt, then unrelated ones that push it out of both engines' caches, then the
+    prompt again: the budgeted index has let it go too and calls it a miss; an unbounded
+    one still believes the worker holds it (a hit the engine does not have)."""
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, 50_000, 640, dtype=np.uint32)
+    others = [rng.integers(0, 50_000, 640, dtype=np.uint32) for _ in range(6)]
+    seq = [prompt, *others, prompt]
+    reqs = [wl.Request(10.0 * i, t, 1, i) for i, t in enumerate(seq)]
+    prep = prepare(reqs, 16)
+    out = {}
+    for budgets in (True, False):
+        cfg = FleetConfig(workers=2, capacity_tokens=1024, engine_budgets=budgets)
+        out[budgets] = simulate(prep, "cache_aware", cfg, record=True)
+    for row in out.values():
+        assert row.extra["cached"][-1] == 0  # evicted from every engine
+    assert out[True].extra["decisions"] == {"cache_miss": 8}
+    assert out[False].extra["decisions"] == {"cache_miss": 7, "cache_hit": 1}
+    assert out[True].extra["ttft_mae_s"] < out[False].extra["ttft_mae_s"]
 
 
 @pytest.mark.parametrize(
