@@ -419,3 +419,34 @@ def _ask_quietly(router: Server, prompt: list[int]) -> None:
         ask(router, prompt, timeout=60)
     except httpx.HTTPError:
         pass  # the router is killed under it: expected
+
+
+def test_replicas_budget_each_worker_by_its_engine_and_evict_alike(
+    tmp_path: Path, processes: list[Server], redis_server: RedisServer, routers: Routers
+) -> None:
+    """With a store, as without, each worker's index budget is the KV capacity its engine
+    reports (the fallback for one that reports none); every replica reads the same
+    engines, so they set the same budgets and, applying the same inserts, hold the same."""
+    small = start_fake_worker(tmp_path, "--kv-blocks", "20")  # 320 tokens
+    silent = start_fake_worker(tmp_path)
+    processes.extend([small, silent])
+    rs = routers(2, [small.url, silent.url], redis_server.url, "--tree-size-fallback", "100000")
+    assert wait_until(lambda: all(live(r) == 2 for r in rs))
+    expected = {small.url: 320 * 4, silent.url: 100_000 * 4}  # routing on bytes: 4 per token
+
+    def workers_of(r: Server) -> dict[str, dict[str, int]]:
+        return {w["url"]: w for w in httpx.get(r.url + "/workers", timeout=5).json()}
+
+    def budgets(r: Server) -> dict[str, int]:
+        return {u: w["index_budget"] for u, w in workers_of(r).items()}
+
+    assert wait_until(lambda: all(budgets(r) == expected for r in rs)), [budgets(r) for r in rs]
+    for g in range(12):
+        resp = ask(rs[g % 2], group_prompt(g, 0))
+        assert resp.status_code == 200, resp.text
+    assert wait_until(lambda: all(applied(r) >= 6 for r in rs)), [applied(r) for r in rs]
+    held = [{u: w["cached_tokens"] for u, w in workers_of(r).items()} for r in rs]
+    assert held[0] == held[1], held
+    assert 0 < held[0][small.url] <= expected[small.url]
+    # More than that went there (12 prompts of 340 IDs over two workers): it evicted.
+    assert all(metric(r, "kvroute_index_evicted_tokens") > 0 for r in rs)

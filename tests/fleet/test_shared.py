@@ -48,6 +48,32 @@ def test_a_prefix_routed_by_one_router_is_matched_by_another() -> None:
     assert b.longest_match(prompt(4, 400)) == (0, [])
 
 
+def test_per_worker_budgets_in_tokens_evict_each_worker_alike_on_every_replica() -> None:
+    local, peer = DigestIndex(1_000 * BLOCK_SIZE), DigestIndex(1_000 * BLOCK_SIZE)
+    for ix in (local, peer):
+        ix.set_worker_budget("w0", 30 * BLOCK_SIZE + 5)  # whole blocks count
+        assert ix.worker_budget("w0") == 30 * BLOCK_SIZE
+        assert ix.worker_budget("w1") == 1_000 * BLOCK_SIZE  # the index's own
+    sent: list[tuple[str, bytes]] = []
+    local.on_insert = lambda w, d: sent.append((w, d))
+    prompts = [prompt(s, 12 * BLOCK_SIZE) for s in range(8)]
+    for i, p in enumerate(prompts):
+        local.insert(f"w{i % 2}", p)
+    for w, d in sent:
+        peer.insert_digests(w, d)
+    assert local.cached_tokens("w0") == peer.cached_tokens("w0") <= 30 * BLOCK_SIZE
+    assert local.cached_tokens("w1") == peer.cached_tokens("w1") == 4 * 12 * BLOCK_SIZE
+    assert local.match(prompts[0]) == peer.match(prompts[0]) == {}  # w0's oldest went
+    assert local.match(prompts[1]) == {"w1": 12 * BLOCK_SIZE}  # w1 kept everything
+    # A smaller budget evicts at once; None gives the worker the index's budget back.
+    assert local.set_worker_budget("w1", 12 * BLOCK_SIZE) > 0
+    assert local.cached_tokens("w1") <= 12 * BLOCK_SIZE
+    local.set_worker_budget("w1", None)
+    assert local.worker_budget("w1") == 1_000 * BLOCK_SIZE
+    local.check_invariants()
+    peer.check_invariants()
+
+
 def test_same_inserts_under_the_same_budget_evict_the_same() -> None:
     budget = 50 * BLOCK_SIZE
     local, peer = DigestIndex(budget), DigestIndex(budget)

@@ -157,21 +157,22 @@ def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) ->
     )
     budget = None
     index: Any
-    if settings.state_store:
-        from kvroute.fleet.shared import DigestIndex
-
-        # Replicas must evict alike: one budget for every worker, not each engine's own.
-        index = DigestIndex(settings.max_tree_size or settings.tree_size_fallback)
-    elif settings.max_tree_size is None:
+    if settings.max_tree_size is None:
         budget = IndexBudget(
             settings.tree_size_fallback,
             settings.max_total_tree_size,
             index_in_bytes=tokenizer.uses_bytes,
         )
-        # Until a worker has its own budget, the fallback (capped) applies.
-        index = PrefixIndex(budget.budget_for("", 1))
+    if settings.state_store:
+        from kvroute.fleet.shared import DigestIndex
+
+        # Replicas evict alike: they read the same engines, so each worker gets the same
+        # budget on every replica (the fallback until its engine has answered).
+        size = settings.max_tree_size if budget is None else budget.budget_for("", 1)
+        index = DigestIndex(size)
     else:
-        index = PrefixIndex(settings.max_tree_size)
+        # Until a worker has its own budget, the fallback (capped) applies.
+        index = PrefixIndex(settings.max_tree_size if budget is None else budget.budget_for("", 1))
     policy = create_policy(
         settings.policy,
         cast(PrefixIndex, index),  # DigestIndex: the same methods, duck-typed

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 
@@ -139,9 +139,10 @@ class RouterTier:
         self._work_wire: deque[tuple[float, int, str, tuple[int, int, int]]] = deque()
         self._now = 0.0
         if self.shared:
-            # As serve: one budget for every worker, so the replicas evict alike.
-            size = max_tree_size or TREE_SIZE_FALLBACK
-            self.indexes = [DigestIndex(size) for _ in range(replicas)]
+            self.indexes = [
+                cast(DigestIndex, self._index(max_tree_size, worker_budgets, DigestIndex))
+                for _ in range(replicas)
+            ]
             for k, ix in enumerate(self.indexes):
                 ix.on_insert = self._publisher(k)
             self.policies = [make(cast(PrefixIndex, ix)) for ix in self.indexes]
@@ -191,17 +192,23 @@ class RouterTier:
         # request -> (replica, its decision, its work): released when the request ends.
         self._open: dict[int, tuple[int, Decision, Ticket]] = {}
 
-    def _index(self, max_tree_size: int | None, budgets: Sequence[int] | None) -> PrefixIndex:
-        """A replica's index, budgeted as serve budgets it: ``max_tree_size`` when given
-        (``--max-tree-size``), else each worker's KV capacity as its engine reports it
-        (``budgets``, in tokens), through serve's own ``IndexBudget``; neither: unbounded."""
+    def _index(
+        self,
+        max_tree_size: int | None,
+        budgets: Sequence[int] | None,
+        kind: Callable[[int | None], Any] = PrefixIndex,
+    ) -> Any:
+        """A replica's index (``kind``: ``PrefixIndex``, or ``DigestIndex`` with a store),
+        budgeted as serve budgets it: ``max_tree_size`` when given (``--max-tree-size``),
+        else each worker's KV capacity as its engine reports it (``budgets``, in tokens),
+        through serve's own ``IndexBudget``; neither: unbounded."""
         if max_tree_size is not None or budgets is None:
-            return PrefixIndex(max_tree_size)
+            return kind(max_tree_size)
         if len(budgets) != len(self.names):
             raise ValueError("worker_budgets must give one budget per worker")
         plan = IndexBudget(TREE_SIZE_FALLBACK, MAX_TOTAL_TREE_SIZE, index_in_bytes=False)
         plan.reported.update(zip(self.names, budgets, strict=True))
-        index = PrefixIndex(plan.budget_for("", 1))
+        index = kind(plan.budget_for("", 1))
         plan.apply(index, self.names)
         return index
 

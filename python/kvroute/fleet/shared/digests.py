@@ -73,8 +73,7 @@ class DigestIndex:
     """
 
     def __init__(self, max_tokens_per_worker: int | None = None) -> None:
-        keys = None if max_tokens_per_worker is None else 2 * (max_tokens_per_worker // BLOCK_SIZE)
-        self.tree = PrefixIndex(keys)
+        self.tree = PrefixIndex(self._keys(max_tokens_per_worker))
         self.on_insert: Callable[[str, bytes], None] | None = None
         # The policy matches, then inserts, the same tokens object: digest it once.
         self._last: object = None
@@ -92,15 +91,26 @@ class DigestIndex:
     def _tokens(keys: int) -> int:
         return (keys // 2) * BLOCK_SIZE
 
+    @staticmethod
+    def _keys(tokens: int | None) -> int | None:
+        """A budget in tokens as tree keys: two per whole block (at least one block)."""
+        return None if tokens is None else 2 * max(1, tokens // BLOCK_SIZE)
+
     @property
     def max_tokens_per_worker(self) -> int | None:
         keys = self.tree.max_tokens_per_worker
         return None if keys is None else self._tokens(keys)
 
     def worker_budget(self, worker: str) -> int | None:
-        """Every worker has the index's budget: replicas must evict alike, so no engine's
-        own KV capacity is applied here."""
-        return self.max_tokens_per_worker
+        """The budget that applies to ``worker`` in tokens: its own, else the index's."""
+        keys = self.tree.worker_budget(worker)
+        return None if keys is None else self._tokens(keys)
+
+    def set_worker_budget(self, worker: str, max_tokens: int | None) -> int:
+        """Give ``worker`` its own budget in tokens (None: the index's); evicts at once.
+        Every replica reads the same engines, so they set the same budgets and, applying
+        the same inserts, evict alike."""
+        return self._tokens(self.tree.set_worker_budget(worker, self._keys(max_tokens)))
 
     def insert(self, worker: str, tokens: Sequence[int]) -> None:
         keys = self.keys(tokens)
