@@ -266,7 +266,8 @@ def main() -> int:
     p.add_argument(
         "--as-text",
         action="store_true",
-        help="prompts as routing_quality.py sends them: one ASCII byte per token",
+        help="prompts as routing_quality.py sends them: one ASCII byte per token (the "
+        "index then budgets 4 bytes per reported token, as serve without a tokenizer)",
     )
     p.add_argument(
         "--bounds-only",
@@ -296,6 +297,8 @@ def main() -> int:
         if args.learn_at_polls:
             sc.cfg = replace(sc.cfg, learn_at_polls=True)
         reqs = sc.build()
+        if args.as_text:  # serve routes these on bytes and budgets its index alike
+            sc.cfg = replace(sc.cfg, index_in_bytes=True)
         prep = prepare(as_text(reqs) if args.as_text else reqs, sc.cfg.block_size)
         bound = upper_bound(prep)
         sweep = not args.no_sweep and args.rate is None

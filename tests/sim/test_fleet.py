@@ -181,10 +181,12 @@ def test_the_index_is_budgeted_as_serve_budgets_it() -> None:
     simulate(prep, factory, FleetConfig(workers=2, capacity_tokens=3000))
     simulate(prep, factory, FleetConfig(workers=2, capacity_tokens=3000, engine_budgets=False))
     simulate(prep, factory, FleetConfig(workers=2, capacity_tokens=3000, max_tree_size=5000))
+    simulate(prep, factory, FleetConfig(workers=2, capacity_tokens=3000, index_in_bytes=True))
     assert [[ix.worker_budget(w) for w in names] for ix in seen] == [
         [3000, 3000],
         [None, None],
         [5000, 5000],
+        [12000, 12000],  # routing on bytes: 4 entries per reported token, as serve
     ]
 
 

@@ -85,6 +85,9 @@ class FleetConfig:
     # is off (serve before it read the engines).
     max_tree_size: int | None = None
     engine_budgets: bool = True
+    # The prompts' IDs are UTF-8 bytes (serve without --tokenizer): serve then counts
+    # each reported token as 4 index entries (kvroute.fleet.budget.BYTES_PER_TOKEN).
+    index_in_bytes: bool = False
     policy_settings: dict[str, Any] = field(default_factory=dict)
     # cache_aware learns each worker's capacity when it is first seen queueing: at once,
     # or (``learn_at_polls``) as the router does, only when one of its /metrics polls
@@ -235,6 +238,7 @@ def simulate(
         replicas=cfg.router_replicas,
         max_tree_size=cfg.max_tree_size,
         worker_budgets=[cfg.capacity_tokens] * nw if cfg.engine_budgets else None,
+        index_in_bytes=cfg.index_in_bytes,
         learner=learner,
         events=events,
         store_delay_s=cfg.state_store_delay_s,

@@ -125,6 +125,7 @@ class RouterTier:
         store_delay_s: float | None = None,
         heartbeat_s: float = 0.5,
         worker_budgets: Sequence[int] | None = None,
+        index_in_bytes: bool = False,
     ) -> None:
         if replicas < 1:
             raise ValueError("router replicas must be >= 1")
@@ -138,6 +139,7 @@ class RouterTier:
         # requests in flight there, those waiting for a first byte, their uncached tokens)).
         self._work_wire: deque[tuple[float, int, str, tuple[int, int, int]]] = deque()
         self._now = 0.0
+        self._in_bytes = index_in_bytes
         if self.shared:
             self.indexes = [
                 cast(DigestIndex, self._index(max_tree_size, worker_budgets, DigestIndex))
@@ -206,7 +208,7 @@ class RouterTier:
             return kind(max_tree_size)
         if len(budgets) != len(self.names):
             raise ValueError("worker_budgets must give one budget per worker")
-        plan = IndexBudget(TREE_SIZE_FALLBACK, MAX_TOTAL_TREE_SIZE, index_in_bytes=False)
+        plan = IndexBudget(TREE_SIZE_FALLBACK, MAX_TOTAL_TREE_SIZE, index_in_bytes=self._in_bytes)
         plan.reported.update(zip(self.names, budgets, strict=True))
         index = kind(plan.budget_for("", 1))
         plan.apply(index, self.names)
