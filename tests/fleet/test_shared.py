@@ -48,19 +48,26 @@ def test_a_prefix_routed_by_one_router_is_matched_by_another() -> None:
     assert b.longest_match(prompt(4, 400)) == (0, [])
 
 
+def replay_alternating(local: DigestIndex, peer: DigestIndex, n: int) -> list[array.array[int]]:
+    """``n`` distinct 12-block prompts inserted into ``local`` for w0 and w1 in turn, its
+    published decisions applied to ``peer``; the prompts."""
+    sent: list[tuple[str, bytes]] = []
+    local.on_insert = lambda w, d: sent.append((w, d))
+    prompts = [prompt(s, 12 * BLOCK_SIZE) for s in range(n)]
+    for i, p in enumerate(prompts):
+        local.insert(f"w{i % 2}", p)
+    for w, d in sent:
+        peer.insert_digests(w, d)
+    return prompts
+
+
 def test_per_worker_budgets_in_tokens_evict_each_worker_alike_on_every_replica() -> None:
     local, peer = DigestIndex(1_000 * BLOCK_SIZE), DigestIndex(1_000 * BLOCK_SIZE)
     for ix in (local, peer):
         ix.set_worker_budget("w0", 30 * BLOCK_SIZE + 5)  # whole blocks count
         assert ix.worker_budget("w0") == 30 * BLOCK_SIZE
         assert ix.worker_budget("w1") == 1_000 * BLOCK_SIZE  # the index's own
-    sent: list[tuple[str, bytes]] = []
-    local.on_insert = lambda w, d: sent.append((w, d))
-    prompts = [prompt(s, 12 * BLOCK_SIZE) for s in range(8)]
-    for i, p in enumerate(prompts):
-        local.insert(f"w{i % 2}", p)
-    for w, d in sent:
-        peer.insert_digests(w, d)
+    prompts = replay_alternating(local, peer, 8)
     assert local.cached_tokens("w0") == peer.cached_tokens("w0") <= 30 * BLOCK_SIZE
     assert local.cached_tokens("w1") == peer.cached_tokens("w1") == 4 * 12 * BLOCK_SIZE
     assert local.match(prompts[0]) == peer.match(prompts[0]) == {}  # w0's oldest went
@@ -77,13 +84,7 @@ def test_per_worker_budgets_in_tokens_evict_each_worker_alike_on_every_replica()
 def test_same_inserts_under_the_same_budget_evict_the_same() -> None:
     budget = 50 * BLOCK_SIZE
     local, peer = DigestIndex(budget), DigestIndex(budget)
-    sent: list[tuple[str, bytes]] = []
-    local.on_insert = lambda w, d: sent.append((w, d))
-    prompts = [prompt(s, 12 * BLOCK_SIZE) for s in range(12)]
-    for i, p in enumerate(prompts):
-        local.insert(f"w{i % 2}", p)
-    for w, d in sent:
-        peer.insert_digests(w, d)
+    prompts = replay_alternating(local, peer, 12)
     for w in ("w0", "w1"):
         assert local.cached_tokens(w) == peer.cached_tokens(w) <= budget
     assert local.stats()["evicted_tokens"] > 0
