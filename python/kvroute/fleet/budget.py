@@ -9,7 +9,13 @@ KV cache holds, so that capacity is the natural per-worker budget of the index:
 
 Until a worker reports (or when it never does: a stub, an older engine), its budget is
 the fallback, ``--tree-size-fallback`` tokens. Without a tokenizer the index counts UTF-8
-bytes, about ``BYTES_PER_TOKEN`` per token, so token counts are scaled by that. A
+bytes, so token counts are scaled by the bytes per engine token: ``BYTES_PER_TOKEN`` at
+first, then what the answers show (``observe``: the bytes each prompt was routed as,
+against the ``usage.prompt_tokens`` its engine reported; a decayed ratio of sums, used
+after ``MIN_SAMPLES`` answers, in steps of 1/8, changed only when it moves by 10% or
+more). English prose runs about 4 bytes per token, code and other scripts otherwise,
+and a budget scaled wrong holds 4x too much or too little. With a shared store the
+scale stays fixed: every replica must set the same budgets. A
 process-wide cap (``--max-total-tree-size``, in index entries, ~5.3 bytes each measured
 with unique 256-token prompts) bounds the sum: each worker gets at most its share of it.
 ``--max-tree-size`` replaces all of this with one fixed budget per worker.
@@ -30,6 +36,10 @@ log = logging.getLogger("kvroute.fleet.budget")
 
 BYTES_PER_TOKEN = 4
 _ATTEMPTS = 3  # readings tried per worker before it keeps the fallback
+MIN_SAMPLES = 32  # answers seen before the learned bytes per token replace the default
+_DECAY = 0.99  # per answer: the ratio follows the last few hundred answers
+_STEP = 8  # the learned scale moves in 1/8 units per token ...
+_MOVE = 0.1  # ... and only when the ratio is 10% off the scale in use
 
 _CACHE_CONFIG = re.compile(rb"^vllm:cache_config_info\{([^}\n]*)\}", re.MULTILINE)
 _LABEL = re.compile(rb'(\w+)="([^"]*)"')
@@ -72,17 +82,45 @@ class IndexBudget:
     """Per-worker budgets: reported capacity (or the fallback), scaled to index units,
     each at most an equal share of the process-wide cap."""
 
-    def __init__(self, fallback_tokens: int, total_cap: int, *, index_in_bytes: bool) -> None:
+    def __init__(
+        self,
+        fallback_tokens: int,
+        total_cap: int,
+        *,
+        index_in_bytes: bool,
+        learn_scale: bool = False,
+    ) -> None:
         self.fallback_tokens = fallback_tokens
         self.total_cap = total_cap
-        self.scale = BYTES_PER_TOKEN if index_in_bytes else 1
+        # Index entries per engine token; learned from answers when ``learn_scale``.
+        self.scale: float = BYTES_PER_TOKEN if index_in_bytes else 1
+        self.learning = index_in_bytes and learn_scale
+        self._units = 0.0
+        self._tokens = 0.0
+        self.samples = 0
         self.reported: dict[str, int] = {}
         self.attempts: dict[str, int] = {}
         self.budgets: dict[str, int] = {}
 
     def budget_for(self, worker: str, fleet_size: int) -> int:
         tokens = self.reported.get(worker, self.fallback_tokens)
-        return max(1, min(tokens * self.scale, self.total_cap // max(1, fleet_size)))
+        return max(1, min(int(tokens * self.scale), self.total_cap // max(1, fleet_size)))
+
+    def observe(self, units: int, tokens: int | None) -> None:
+        """One answer: its prompt was routed as ``units`` index entries and its engine
+        counted ``tokens`` (``usage.prompt_tokens``). Moves ``scale`` when learning; the
+        budgets follow at the next ``apply``."""
+        if not self.learning or units <= 0 or not tokens or tokens <= 0:
+            return
+        self._units = self._units * _DECAY + units
+        self._tokens = self._tokens * _DECAY + tokens
+        self.samples += 1
+        if self.samples < MIN_SAMPLES:
+            return
+        step = max(1, round(self._units / self._tokens * _STEP)) / _STEP
+        if abs(step - self.scale) >= _MOVE * self.scale:
+            log.info("index budgets: %.3g bytes per token (was %.3g)", step, self.scale)
+            self.scale = step
 
     def apply(self, index: Budgeted, workers: Iterable[str]) -> None:
         """Set every worker's budget in ``index`` (call when the fleet or a reading

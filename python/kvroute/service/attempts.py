@@ -310,6 +310,8 @@ class Attempts:
                     ticket.first_byte(time.monotonic(), learn=False)
                     content = await read_answer(upstream)
                     reported = usage(ticket, content)
+                    if s.budget is not None:
+                        s.budget.observe(ticket.prompt_tokens, reported[0])
                 s.registry.unwatch(worker, on_leave)
                 return Answer(upstream, decision, res, content, streaming, ticket, reported)
         except TimeoutError:

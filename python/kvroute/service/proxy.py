@@ -423,9 +423,12 @@ class Forwarder:
                 async for chunk in answer_chunks(upstream):
                     if ticket.first_at is None:
                         ticket.first_byte(time.monotonic())
-                    if b'"cached_tokens"' in chunk:
-                        self._reuse(chunk, predicted, source)
-                        usage(ticket, chunk)
+                    if b'"prompt_tokens"' in chunk:  # the usage event
+                        if b'"cached_tokens"' in chunk:
+                            self._reuse(chunk, predicted, source)
+                        prompt, _ = usage(ticket, chunk)
+                        if self.s.budget is not None:
+                            self.s.budget.observe(ticket.prompt_tokens, prompt)
                     yield chunk
         except (httpx.HTTPError, TimeoutError) as e:
             # Bytes already reached the client: no retry. Tell it in-band and end.

@@ -162,6 +162,8 @@ def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) ->
             settings.tree_size_fallback,
             settings.max_total_tree_size,
             index_in_bytes=tokenizer.uses_bytes,
+            # Replicas sharing a store must set the same budgets: a fixed scale.
+            learn_scale=not settings.state_store,
         )
     if settings.state_store:
         from kvroute.fleet.shared import DigestIndex
