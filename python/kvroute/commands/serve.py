@@ -453,7 +453,8 @@ def configure(p: argparse.ArgumentParser) -> None:
         default=4_000_000,
         metavar="TOKENS",
         help="index budget of a worker whose engine reports no KV capacity (vLLM "
-        "cache_config_info, SGLang max_total_num_tokens); x4 when routing on bytes",
+        "cache_config_info, SGLang max_total_num_tokens). Routing on bytes, every "
+        "budget counts 4 bytes per token until the answers' usage shows how many",
     )
     u.add_argument(
         "--max-total-tree-size",
