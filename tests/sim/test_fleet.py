@@ -188,6 +188,11 @@ def test_the_index_is_budgeted_as_serve_budgets_it() -> None:
         [5000, 5000],
         [12000, 12000],  # routing on bytes: 4 entries per reported token, as serve
     ]
+    # ... until the answers show how many: 64 of them here, one entry per token.
+    seen.clear()
+    cfg = FleetConfig(workers=2, capacity_tokens=3000, index_in_bytes=True)
+    simulate(prepare(small_gsp(), 16), factory, cfg)
+    assert [seen[0].worker_budget(w) for w in names] == [3000, 3000]
 
 
 def test_simulate_budgets_the_index_unless_told_it_is_unbounded() -> None:

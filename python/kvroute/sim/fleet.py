@@ -86,7 +86,8 @@ class FleetConfig:
     max_tree_size: int | None = None
     engine_budgets: bool = True
     # The prompts' IDs are UTF-8 bytes (serve without --tokenizer): serve then counts
-    # each reported token as 4 index entries (kvroute.fleet.budget.BYTES_PER_TOKEN).
+    # each reported token as 4 index entries (kvroute.fleet.budget.BYTES_PER_TOKEN) until
+    # the answers show how many (here: one, as the simulated engines count these IDs).
     index_in_bytes: bool = False
     policy_settings: dict[str, Any] = field(default_factory=dict)
     # cache_aware learns each worker's capacity when it is first seen queueing: at once,

@@ -140,6 +140,9 @@ class RouterTier:
         self._work_wire: deque[tuple[float, int, str, tuple[int, int, int]]] = deque()
         self._now = 0.0
         self._in_bytes = index_in_bytes
+        # Per replica, its index budgets (serve's IndexBudget) and index, when budgeted by
+        # the engines: routing on bytes, the bytes per token are learned as serve does.
+        self._plans: list[tuple[IndexBudget, Any] | None] = []
         if self.shared:
             self.indexes = [
                 cast(DigestIndex, self._index(max_tree_size, worker_budgets, DigestIndex))
@@ -205,13 +208,20 @@ class RouterTier:
         else each worker's KV capacity as its engine reports it (``budgets``, in tokens),
         through serve's own ``IndexBudget``; neither: unbounded."""
         if max_tree_size is not None or budgets is None:
+            self._plans.append(None)
             return kind(max_tree_size)
         if len(budgets) != len(self.names):
             raise ValueError("worker_budgets must give one budget per worker")
-        plan = IndexBudget(TREE_SIZE_FALLBACK, MAX_TOTAL_TREE_SIZE, index_in_bytes=self._in_bytes)
+        plan = IndexBudget(
+            TREE_SIZE_FALLBACK,
+            MAX_TOTAL_TREE_SIZE,
+            index_in_bytes=self._in_bytes,
+            learn_scale=not self.shared,
+        )
         plan.reported.update(zip(self.names, budgets, strict=True))
         index = kind(plan.budget_for("", 1))
         plan.apply(index, self.names)
+        self._plans.append((plan, index))
         return index
 
     def _publisher(self, k: int) -> Callable[[str, bytes], None]:
@@ -291,6 +301,13 @@ class RouterTier:
         k, decision, ticket = opened
         self._now = now
         ticket.end(now, output_tokens)
+        budgeted = self._plans[k]
+        if budgeted is not None:  # the simulated engines count the IDs it was routed as
+            plan, index = budgeted
+            scale = plan.scale
+            plan.observe(ticket.prompt_tokens, ticket.prompt_tokens)
+            if plan.scale != scale:
+                plan.apply(index, self.names)
         self.loads[k][decision.worker] -= 1
         if decision.ticket is not None:
             self.policies[k].on_done(decision)
