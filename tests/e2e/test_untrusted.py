@@ -246,6 +246,7 @@ def test_bytes_per_token_are_learned_from_what_the_engine_counts(
             break
         threading.Event().wait(0.05)
     assert budget() == 80_000
+    assert "budgets at 4 bytes per token" in httpx.get(router.url + "/status", timeout=5).text
     for i in range(MIN_SAMPLES):
         body: dict[str, Any] = {"prompt": f"request {i:03d} " + "a b c " * 60, "max_tokens": 2}
         if i % 2:
@@ -256,6 +257,7 @@ def test_bytes_per_token_are_learned_from_what_the_engine_counts(
             break
         threading.Event().wait(0.05)
     assert budget() == 20_000
+    assert "budgets at 1 bytes per token" in httpx.get(router.url + "/status", timeout=5).text
 
 
 def test_max_tree_size_overrides_the_reports(tmp_path: Path, processes: list[Server]) -> None:

@@ -76,7 +76,15 @@ class RouterState:
     def snapshot(self) -> dict[str, Any]:
         snap = {
             "workers": self.workers_json(),
-            "index": self.index.stats(),
+            "index": {
+                **self.index.stats(),
+                # Routing on bytes: the bytes per engine token its budgets count (learned).
+                "bytes_per_token": (
+                    self.budget.scale
+                    if self.budget is not None and self.tokenizer.uses_bytes
+                    else None
+                ),
+            },
             "tokenizer": self.tokenizer.cache_stats(),
             "ttft_predictions": self.metrics.prediction_stats() if self.metrics else None,
             "asyncio_tasks": _task_count(),

@@ -192,6 +192,12 @@ def _routers(snapshot: dict[str, Any]) -> str:
     return f"<h2>Routers sharing state ({len(rows)} live)</h2>\n" + _table(["id", "url"], rows)
 
 
+def _per_token(index: dict[str, Any]) -> str:
+    """Routing on bytes: the bytes per engine token the index budgets count."""
+    per = index.get("bytes_per_token")
+    return "" if per is None else f", budgets at {per:g} bytes per token"
+
+
 def render(
     *,
     policy: str,
@@ -264,6 +270,6 @@ asyncio tasks {snapshot["asyncio_tasks"]}</p>
 <h2>Cache</h2>
 <p>{escape(reuse)}</p>
 <p>index: {index["nodes"]:,} nodes, {index["memory_bytes"] / 2**20:.1f} MiB,
-{index["evicted_tokens"]:,} tokens evicted · tokenizer segment cache: hit rate
+{index["evicted_tokens"]:,} tokens evicted{_per_token(index)} · tokenizer segment cache: hit rate
 {tok["hit_rate"]:.1%} ({tok["hits"]:,} hits, {tok["misses"]:,} misses)</p>
 </body></html>"""
