@@ -92,6 +92,7 @@ class IndexBudget:
     ) -> None:
         self.fallback_tokens = fallback_tokens
         self.total_cap = total_cap
+        self.in_bytes = index_in_bytes
         # Index entries per engine token; learned from answers when ``learn_scale``.
         self.scale: float = BYTES_PER_TOKEN if index_in_bytes else 1
         self.learning = index_in_bytes and learn_scale
@@ -106,21 +107,28 @@ class IndexBudget:
         tokens = self.reported.get(worker, self.fallback_tokens)
         return max(1, min(int(tokens * self.scale), self.total_cap // max(1, fleet_size)))
 
-    def observe(self, units: int, tokens: int | None) -> None:
+    @property
+    def bytes_per_token(self) -> float | None:
+        """Routing on bytes, the bytes per engine token the budgets count; else None."""
+        return self.scale if self.in_bytes else None
+
+    def observe(self, units: int, tokens: int | None) -> bool:
         """One answer: its prompt was routed as ``units`` index entries and its engine
         counted ``tokens`` (``usage.prompt_tokens``). Moves ``scale`` when learning; the
-        budgets follow at the next ``apply``."""
+        budgets follow at the next ``apply``. True: ``scale`` moved."""
         if not self.learning or units <= 0 or not tokens or tokens <= 0:
-            return
+            return False
         self._units = self._units * _DECAY + units
         self._tokens = self._tokens * _DECAY + tokens
         self.samples += 1
         if self.samples < MIN_SAMPLES:
-            return
+            return False
         step = max(1, round(self._units / self._tokens * _STEP)) / _STEP
-        if abs(step - self.scale) >= _MOVE * self.scale:
-            log.info("index budgets: %.3g bytes per token (was %.3g)", step, self.scale)
-            self.scale = step
+        if abs(step - self.scale) < _MOVE * self.scale:
+            return False
+        log.info("index budgets: %.3g bytes per token (was %.3g)", step, self.scale)
+        self.scale = step
+        return True
 
     def apply(self, index: Budgeted, workers: Iterable[str]) -> None:
         """Set every worker's budget in ``index`` (call when the fleet or a reading

@@ -52,6 +52,7 @@ from kvroute.service.h1pool import raw_headers, read_whole
 from kvroute.service.quarantine import fingerprint, first_byte_secs
 
 if TYPE_CHECKING:
+    from kvroute.fleet.budget import IndexBudget
     from kvroute.service.state import RouterState
 
 log = logging.getLogger("kvroute.service.proxy")
@@ -309,9 +310,7 @@ class Attempts:
                 if not streaming:  # a whole answer: not a prefill time to learn from
                     ticket.first_byte(time.monotonic(), learn=False)
                     content = await read_answer(upstream)
-                    reported = usage(ticket, content)
-                    if s.budget is not None:
-                        s.budget.observe(ticket.prompt_tokens, reported[0])
+                    reported = usage(ticket, content, s.budget)
                 s.registry.unwatch(worker, on_leave)
                 return Answer(upstream, decision, res, content, streaming, ticket, reported)
         except TimeoutError:
@@ -419,13 +418,18 @@ def _usage_field(data: bytes, name: bytes) -> int | None:
     return int(m.group(1)) if m is not None else None
 
 
-def usage(ticket: Ticket, data: bytes) -> tuple[int | None, int | None]:
+def usage(
+    ticket: Ticket, data: bytes, budget: IndexBudget | None = None
+) -> tuple[int | None, int | None]:
     """What an answer's ``usage`` tells the work model: output tokens, and the prompt
     tokens the engine really prefilled (when it counts prompt tokens as the router does:
-    same tokenizer). Returns the reported (prompt_tokens, cached_tokens), for the
-    predicted-against-reported reuse counts (read once, here)."""
+    same tokenizer); and the index ``budget``, how many tokens its prompt was. Returns
+    the reported (prompt_tokens, cached_tokens), for the predicted-against-reported
+    reuse counts (read once, here)."""
     ticket.output_tokens = _usage_field(data, b"completion_tokens")
     prompt = _usage_field(data, b"prompt_tokens")
+    if budget is not None:
+        budget.observe(ticket.prompt_tokens, prompt)
     cached = _usage_field(data, b"cached_tokens")
     if prompt is not None and cached is not None and prompt == ticket.prompt_tokens:
         ticket.reported_uncached = max(0, prompt - cached)

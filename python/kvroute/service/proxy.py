@@ -426,9 +426,7 @@ class Forwarder:
                     if b'"prompt_tokens"' in chunk:  # the usage event
                         if b'"cached_tokens"' in chunk:
                             self._reuse(chunk, predicted, source)
-                        prompt, _ = usage(ticket, chunk)
-                        if self.s.budget is not None:
-                            self.s.budget.observe(ticket.prompt_tokens, prompt)
+                        usage(ticket, chunk, self.s.budget)
                     yield chunk
         except (httpx.HTTPError, TimeoutError) as e:
             # Bytes already reached the client: no retry. Tell it in-band and end.

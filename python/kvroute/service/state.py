@@ -78,12 +78,7 @@ class RouterState:
             "workers": self.workers_json(),
             "index": {
                 **self.index.stats(),
-                # Routing on bytes: the bytes per engine token its budgets count (learned).
-                "bytes_per_token": (
-                    self.budget.scale
-                    if self.budget is not None and self.tokenizer.uses_bytes
-                    else None
-                ),
+                "bytes_per_token": self.budget and self.budget.bytes_per_token,
             },
             "tokenizer": self.tokenizer.cache_stats(),
             "ttft_predictions": self.metrics.prediction_stats() if self.metrics else None,
@@ -173,16 +168,16 @@ def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) ->
             # Replicas sharing a store must set the same budgets: a fixed scale.
             learn_scale=not settings.state_store,
         )
+    # Until a worker has its own budget, the fallback (capped) applies.
+    size = settings.max_tree_size if budget is None else budget.budget_for("", 1)
     if settings.state_store:
         from kvroute.fleet.shared import DigestIndex
 
         # Replicas evict alike: they read the same engines, so each worker gets the same
-        # budget on every replica (the fallback until its engine has answered).
-        size = settings.max_tree_size if budget is None else budget.budget_for("", 1)
+        # budget on every replica.
         index = DigestIndex(size)
     else:
-        # Until a worker has its own budget, the fallback (capped) applies.
-        index = PrefixIndex(settings.max_tree_size if budget is None else budget.budget_for("", 1))
+        index = PrefixIndex(size)
     policy = create_policy(
         settings.policy,
         cast(PrefixIndex, index),  # DigestIndex: the same methods, duck-typed

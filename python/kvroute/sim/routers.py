@@ -304,9 +304,7 @@ class RouterTier:
         budgeted = self._plans[k]
         if budgeted is not None:  # the simulated engines count the IDs it was routed as
             plan, index = budgeted
-            scale = plan.scale
-            plan.observe(ticket.prompt_tokens, ticket.prompt_tokens)
-            if plan.scale != scale:
+            if plan.observe(ticket.prompt_tokens, ticket.prompt_tokens):
                 plan.apply(index, self.names)
         self.loads[k][decision.worker] -= 1
         if decision.ticket is not None:
