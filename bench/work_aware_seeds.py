@@ -23,12 +23,15 @@ draw (``work_aware.capacity``, ``--bisect`` 4: within 4.4%).
 
 ``--workload-seeds N`` (with ``--arrivals M``): the same shapes built with workload seeds
 0..N-1 (seed 0: the tables' requests; the others change the group order and prompts),
-each on M arrival draws, at each ``--rates`` point: per workload seed the ratio of the
-mean TTFT p90 and p99 over the draws, ``cache_aware (work)`` over SGLang's rule, and the
-same for SGLang's rule with only its tie rotation changed (kvroute's per-worker rotation
-instead of its single cursor): how far the p90 moves on tie order alone.
+each on M arrival draws, at each ``--rates`` point: per workload seed the mean hit rates
+and the ratio of the mean TTFT p50, p90 and p99 over the draws, ``cache_aware (work)``
+over SGLang's rule, and the same for SGLang's rule with only its tie rotation changed
+(kvroute's per-worker rotation instead of its single cursor): how far the percentiles
+move on tie order alone; then over all runs, per percentile, the ratio of the means, the
+median per-run ratio and the runs worse / better by more than 5%.
 
     python bench/work_aware_seeds.py --workload-seeds 8 --arrivals 6 --rates hetero:22
+    python bench/work_aware_seeds.py --workload-seeds 5 --arrivals 2 --rates chat:6,chat:9.37,chat:12
 """
 
 from __future__ import annotations
@@ -193,21 +196,23 @@ def rule_rotated(index: PrefixIndex) -> CacheAware:
 
 
 def workload_seeds(n: int, draws: int, rates: str) -> None:
-    """Per workload seed, mean p90/p99 ratios to SGLang's rule (module doc)."""
+    """Per workload seed, mean TTFT ratios and hit rates against SGLang's rule (module doc)."""
     for spec in rates.split(","):
         name, _, r = spec.partition(":")
         rate = float(r)
         print(
             f"\n{name}, {rate} req/s, workload seeds 0-{n - 1} x arrival seeds 1-{draws}"
-            "\n\n| workload seed | SGLang's rule p90 / p99 (s), mean | cache_aware (work) / it "
-            "| it with per-worker tie rotation / it |\n|---|---|---|---|"
+            "\n\n| workload seed | SGLang's rule p50 / p90 / p99 (s), mean | hit rate: rule, "
+            "work | cache_aware (work) / it, p50 / p90 / p99 | it with per-worker tie rotation "
+            "/ it, p90 / p99 |\n|---|---|---|---|---|"
         )
-        p90s: dict[str, list[float]] = {"rule": [], "work": [], "rotated": []}
-        p99s: dict[str, list[float]] = {"rule": [], "work": [], "rotated": []}
+        pct: dict[str, dict[str, list[float]]] = {
+            k: {"p50": [], "p90": [], "p99": [], "hit": []} for k in ("rule", "work", "rotated")
+        }
         for seed in range(n):
             reqs, cfg = shape(name, seed)
             prep = prepare(reqs, cfg.block_size)
-            runs: dict[str, list[ResultRow]] = {k: [] for k in p90s}
+            runs: dict[str, list[ResultRow]] = {k: [] for k in pct}
             for d in range(1, draws + 1):
                 p = at_rate(prep, rate, d)
                 runs["rule"].append(run(p, POLICIES[2][1], POLICIES[2][2], cfg))
@@ -215,27 +220,39 @@ def workload_seeds(n: int, draws: int, rates: str) -> None:
                 runs["rotated"].append(
                     simulate(p, rule_rotated, replace(cfg, engine_budgets=False))
                 )
-            m90 = {k: float(np.mean([x.ttft_p90 for x in v])) for k, v in runs.items()}
-            m99 = {k: float(np.mean([x.ttft_p99 for x in v])) for k, v in runs.items()}
-            for k in p90s:
-                p90s[k] += [x.ttft_p90 for x in runs[k]]
-                p99s[k] += [x.ttft_p99 for x in runs[k]]
+            m: dict[str, dict[str, float]] = {}
+            for k, v in runs.items():
+                got = {
+                    "p50": [x.ttft_p50 for x in v],
+                    "p90": [x.ttft_p90 for x in v],
+                    "p99": [x.ttft_p99 for x in v],
+                    "hit": [x.hit_rate for x in v],
+                }
+                m[k] = {q: float(np.mean(xs)) for q, xs in got.items()}
+                for q, xs in got.items():
+                    pct[k][q] += xs
+            rule, work, rot = m["rule"], m["work"], m["rotated"]
             print(
-                f"| {seed} | {m90['rule']:.4f} / {m99['rule']:.3f} "
-                f"| {m90['work'] / m90['rule']:.2f} / {m99['work'] / m99['rule']:.2f} "
-                f"| {m90['rotated'] / m90['rule']:.2f} / {m99['rotated'] / m99['rule']:.2f} |",
+                f"| {seed} | {rule['p50']:.3f} / {rule['p90']:.3f} / {rule['p99']:.3f} "
+                f"| {rule['hit']:.1%}, {work['hit']:.1%} "
+                f"| {work['p50'] / rule['p50']:.2f} / {work['p90'] / rule['p90']:.2f} / "
+                f"{work['p99'] / rule['p99']:.2f} "
+                f"| {rot['p90'] / rule['p90']:.2f} / {rot['p99'] / rule['p99']:.2f} |",
                 flush=True,
             )
-        b90, b99 = np.array(p90s["rule"]), np.array(p99s["rule"])
+        base = {q: np.array(xs) for q, xs in pct["rule"].items()}
         for k, label in (("work", "cache_aware (work)"), ("rotated", "rule, per-worker ties")):
-            a90, a99 = np.array(p90s[k]), np.array(p99s[k])
-            ratio = a90 / b90
-            print(
-                f"| all {n * draws} runs, {label} | | p90 {a90.mean() / b90.mean():.3f} "
-                f"(median ratio {np.median(ratio):.3f}, worse / better by >5%: "
-                f"{int((ratio > 1.05).sum())} / {int((ratio < 1 / 1.05).sum())}), "
-                f"p99 {a99.mean() / b99.mean():.3f} | |"
-            )
+            arr = {q: np.array(xs) for q, xs in pct[k].items()}
+            parts = []
+            for q in ("p50", "p90", "p99"):
+                ratio = arr[q] / base[q]
+                parts.append(
+                    f"{q} {arr[q].mean() / base[q].mean():.3f} (median ratio "
+                    f"{np.median(ratio):.3f}, worse / better by >5%: "
+                    f"{int((ratio > 1.05).sum())} / {int((ratio < 1 / 1.05).sum())})"
+                )
+            hit = (arr["hit"] - base["hit"]).mean()
+            print(f"| all {n * draws} runs, {label} | | hit {hit:+.1%} | {'; '.join(parts)} | |")
 
 
 def main() -> int:
