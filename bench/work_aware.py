@@ -262,6 +262,12 @@ def main() -> int:
         help="workers' capacities learned only at the router's engine polls (every 5 s), "
         "as serve learns them, not the moment a worker queues",
     )
+    p.add_argument(
+        "--known-speeds",
+        action="store_true",
+        help="every router knows each worker's prefill speed from the start (its cost "
+        "model) instead of learning it from first bytes",
+    )
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     p.add_argument(
         "--as-text",
@@ -296,6 +302,8 @@ def main() -> int:
         t0 = time.perf_counter()
         if args.learn_at_polls:
             sc.cfg = replace(sc.cfg, learn_at_polls=True)
+        if args.known_speeds:
+            sc.cfg = replace(sc.cfg, known_speeds=True)
         reqs = sc.build()
         if args.as_text:  # serve routes these on bytes and budgets its index alike
             sc.cfg = replace(sc.cfg, index_in_bytes=True)

@@ -31,7 +31,8 @@ move on tie order alone; then over all runs, per percentile, the ratio of the me
 median per-run ratio and the runs worse / better by more than 5%.
 
     python bench/work_aware_seeds.py --workload-seeds 8 --arrivals 6 --rates hetero:22
-    python bench/work_aware_seeds.py --workload-seeds 5 --arrivals 2 --rates chat:6,chat:9.37,chat:12
+    python bench/work_aware_seeds.py --workload-seeds 5 --arrivals 2 \\
+        --rates chat:6,chat:9.37,chat:12
 """
 
 from __future__ import annotations

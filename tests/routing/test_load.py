@@ -187,6 +187,23 @@ def test_a_worker_not_yet_measured_is_assumed_as_fast_as_the_fleet_not_the_prior
     assert alone.prefill_rate("new") == PRIOR_PREFILL_TPS
 
 
+def test_a_known_line_stands_for_a_worker_until_it_learns_its_own() -> None:
+    """``know`` (the simulator's known speeds): the worker's line from outside is used
+    in place of the fleet's, by ``predict`` as by ``ttft``, until the worker has samples
+    of its own."""
+    m = LoadModel()
+    synthetic_worker(m, "a", tps=3000.0, overhead=0.005, n=12)
+    m.know("slow", 0.005, 1500.0)
+    m.add_worker("other")
+    assert m.prefill_rate("slow") == pytest.approx(1500.0)
+    assert m.prefill_rate("other") == pytest.approx(3000.0, rel=0.03)  # the fleet's
+    pred = m.predict(["slow", "other"], 3000, {})
+    assert pred.own["slow"] == pytest.approx(0.005 + 3000 / 1500.0)
+    assert pred.ttft["slow"] == pytest.approx(m.ttft("slow", 3000))
+    synthetic_worker(m, "slow", tps=6000.0, overhead=0.005, n=12)
+    assert m.prefill_rate("slow") == pytest.approx(6000.0, rel=0.03)  # its own now
+
+
 def test_prefill_is_learned_from_what_the_engine_reports_it_had_cached() -> None:
     """The index predicted all but 100 tokens cached but the engine had evicted them:
     the samples count the tokens really prefilled, so the worker is not seen as slow."""

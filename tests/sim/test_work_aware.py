@@ -8,10 +8,12 @@ import json
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
+from kvroute.routing.load import LoadModel
 from kvroute.sim import workloads as wl
 from kvroute.sim.cost import CostModel
 from kvroute.sim.fleet import FleetConfig, heterogeneous, prepare, simulate
@@ -113,6 +115,36 @@ def test_heterogeneous_fleet_speeds_are_learned_and_used() -> None:
     assert learned[2:4] == pytest.approx([7_500, 7_500], rel=0.03)
     assert rows["min_ttft"].ttft_p90 < 0.8 * rows["cache_aware"].ttft_p90
     assert rows["min_ttft"].extra["ttft_mae_s"] < rows["min_ttft"].ttft_p50
+
+
+def test_known_speeds_give_every_router_the_workers_lines_from_the_start() -> None:
+    """``FleetConfig.known_speeds``: with two workers at half speed known from the
+    start, the slow ones are predicted slow from the first decision; the decisions
+    differ from a run that learns them."""
+    reqs = wl.gsp(16, 8, 2048, 128, 32, seed=0, arrivals="poisson", rate=20.0)
+    prep = prepare(reqs, 16)
+    costs = heterogeneous(CostModel(prefill_tokens_per_s=3000.0), 4, 2, 0.5)
+    base = FleetConfig(workers=4, worker_costs=costs, learn_capacity=True)
+    first: list[dict[str, float]] = []
+    original = LoadModel.predict
+
+    def spy(self: LoadModel, workers: Any, tokens: int, matches: Any) -> Any:
+        pred = original(self, workers, tokens, matches)
+        if not first:
+            first.append({w: pred.own[w] / (0.005 + tokens / 3000.0) for w in workers})
+        return pred
+
+    LoadModel.predict = spy  # type: ignore[method-assign]
+    try:
+        known = simulate(prep, "min_ttft", replace(base, known_speeds=True), record=True)
+    finally:
+        LoadModel.predict = original  # type: ignore[method-assign]
+    ratios = sorted(first[0].values())
+    assert ratios[:2] == pytest.approx([1.0, 1.0], rel=0.01)  # fast workers: 3,000/s
+    assert ratios[2:] == pytest.approx([2.0, 2.0], rel=0.02)  # slow ones, before any sample
+    learned = simulate(prep, "min_ttft", base, record=True)
+    assert known.extra["assigned"] != learned.extra["assigned"]
+    assert known.extra["final_work"] == learned.extra["final_work"] == 0
 
 
 def test_min_ttft_has_no_tail_while_it_learns_slow_workers() -> None:

@@ -110,6 +110,10 @@ class FleetConfig:
     # the guard adds what an engine holds beyond the replica's own requests (other
     # replicas', bypass traffic). None: never.
     engine_poll_s: float | None = 5.0
+    # Each router knows every worker's prefill speed from the start (its cost model's
+    # line, ``LoadModel.know``) instead of learning it from first bytes: what knowing
+    # the speeds would change.
+    known_speeds: bool = False
     # Per worker cost models (heterogeneous fleet); None: ``cost`` for every worker.
     worker_costs: tuple[CostModel, ...] | None = None
     # Replicas share decisions and load through a store (--state-store) whose entries
@@ -246,6 +250,10 @@ def simulate(
         heartbeat_s=cfg.state_store_heartbeat_s,
     )
     costs = cfg.costs()
+    if cfg.known_speeds:
+        for model in tier.work:
+            for wname, cost in zip(names, costs, strict=True):
+                model.know(wname, cost.overhead_s, cost.prefill_tokens_per_s)
     running = [0] * nw
     queues: list[deque[int]] = [deque() for _ in range(nw)]
     prefill_free = [0.0] * nw

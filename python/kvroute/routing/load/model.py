@@ -56,6 +56,9 @@ class WorkerWork:
     # and whose (ticket ids grow in routing order).
     last_first: float | None = None
     last_first_id: int = 0
+    # A prefill line (intercept, slope) known from outside before any sample of ours
+    # (``LoadModel.know``): used in place of the fleet's line until this worker learns.
+    known: tuple[float, float] | None = None
 
     def observe_reuse(self, predicted: int, reported: int, prompt: int, fleet_grain: int) -> None:
         """One request's engine reported ``reported`` cached tokens of a ``prompt``-token
@@ -351,9 +354,19 @@ class LoadModel:
         worker's (a fixed prior that is too fast would draw every request to the workers
         not yet measured, whose queues then give no clean sample to correct it)."""
         p = st.prefill
-        if p.samples >= MIN_SAMPLES or self.fleet_line is None:
+        if p.samples >= MIN_SAMPLES:
+            return p.intercept, p.slope
+        if st.known is not None:
+            return st.known
+        if self.fleet_line is None:
             return p.intercept, p.slope
         return self.fleet_line
+
+    def know(self, worker: str, overhead_s: float, tokens_per_s: float) -> None:
+        """``worker``'s prefill line as known from outside (the simulator's
+        ``FleetConfig.known_speeds``): it stands until the worker has ``MIN_SAMPLES``
+        samples of its own, in place of the fleet's typical line."""
+        self.state(worker).known = (overhead_s, 1.0 / tokens_per_s)
 
     def prefill_rate(self, worker: str) -> float:
         """Learned prefill tokens/s of ``worker`` (the prior for an unknown one)."""
@@ -492,7 +505,11 @@ class LoadModel:
                 continue
             # ``line`` and ``_own`` inlined: this runs for every worker at every decision.
             p = st.prefill
-            if fleet is None or p.samples >= MIN_SAMPLES:
+            if p.samples >= MIN_SAMPLES:
+                intercept, slope = p.intercept, p.slope
+            elif st.known is not None:
+                intercept, slope = st.known
+            elif fleet is None:
                 intercept, slope = p.intercept, p.slope
             else:
                 intercept, slope = fleet
