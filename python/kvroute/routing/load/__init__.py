@@ -59,8 +59,9 @@ Learned speed, per worker (so a heterogeneous fleet is told apart)
     Before ``MIN_SAMPLES`` samples a worker is assumed to prefill as the fleet's typical
     worker does (the median intercept and slope of the workers that learned), or along
     a line known from outside when one was given (``LoadModel.know``: the simulator's
-    ``known_speeds``); before any did, the priors hold: ``PRIOR_PREFILL_TPS`` (the simulator's default worker, an 8B
-    model on one H100), ``PRIOR_OVERHEAD_S``, ``PRIOR_DECODE_S``.
+    ``known_speeds``); before any did, the priors hold: ``PRIOR_PREFILL_TPS`` (the
+    simulator's default worker, an 8B model on one H100), ``PRIOR_OVERHEAD_S``,
+    ``PRIOR_DECODE_S``.
     Medians shrug off the outliers a shared machine or a stall produce. A worker that
     leaves (or goes down) forgets what was learned (it may come back as other hardware).
 
