@@ -170,6 +170,11 @@ def utf8_token_ids(text: str) -> array.array[int]:
     ``surrogatepass`` encodes them): the no-tokenizer mode's prompt, as an
     ``array.array('I')``, built in one native pass."""
 
+def block_digest_keys(tokens: _Tokens) -> array.array[int]:
+    """The state store's tree keys for ``tokens``: two u32 per whole block of 16 tokens
+    (the block's 64-bit digest, low half first), as an ``array.array('I')``; equal to
+    ``kvroute.fleet.shared.digests.block_digests(tokens).view(numpy.uint32)``."""
+
 # Exact byte-level BPE (rust/src/bpe/; built and checked by kvroute.routing.native_bpe).
 
 @final
@@ -285,6 +290,7 @@ __all__ = [
     "SegmentEncoder",
     "TokenIds",
     "UnknownParentError",
+    "block_digest_keys",
     "bpe_char_classes",
     "utf8_token_ids",
 ]

@@ -5,6 +5,7 @@
 
 pub mod blocks;
 pub mod children;
+pub mod digests;
 pub mod lru;
 pub mod tree;
 

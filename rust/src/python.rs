@@ -461,6 +461,36 @@ fn utf8_token_ids<'py>(
     Ok(ids)
 }
 
+/// The state store's tree keys for a prompt: two u32 per whole block of 16 tokens, the
+/// block's 64-bit digest low half first (`crate::digests`), as an `array.array('I')`.
+/// Equal to `kvroute.fleet.shared.digests.block_digests(tokens).view(uint32)`.
+#[pyfunction]
+fn block_digest_keys<'py>(
+    py: Python<'py>,
+    tokens: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let tokens = extract_tokens(tokens)?;
+    // About a nanosecond per token: shorter than releasing and taking back the GIL.
+    let keys = crate::digests::block_digest_keys(&tokens);
+    let one = ONE_ZERO_ID.get_or_try_init(py, || -> PyResult<Py<PyAny>> {
+        let array = py.import("array")?.getattr("array")?;
+        Ok(array.call1(("I", vec![0u32]))?.unbind())
+    })?;
+    let out = one.bind(py).mul(keys.len())?;
+    if keys.is_empty() {
+        return Ok(out);
+    }
+    let buf = PyBuffer::<u32>::get(&out)?;
+    let cells = buf
+        .as_mut_slice(py)
+        .ok_or_else(|| PyTypeError::new_err("array('I') is not a writable u32 buffer"))?;
+    for (cell, &k) in cells.iter().zip(&keys) {
+        cell.set(k);
+    }
+    drop(buf);
+    Ok(out)
+}
+
 pyo3::create_exception!(
     _native,
     UnknownParentError,
@@ -600,6 +630,7 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyBlockIndex>()?;
     m.add_class::<PyTokenIds>()?;
     m.add_function(wrap_pyfunction!(utf8_token_ids, m)?)?;
+    m.add_function(wrap_pyfunction!(block_digest_keys, m)?)?;
     m.add(
         "UnknownParentError",
         m.py().get_type::<UnknownParentError>(),

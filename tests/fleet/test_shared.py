@@ -8,8 +8,10 @@ import asyncio
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvroute._native import PrefixIndex
+from kvroute._native import PrefixIndex, block_digest_keys
 from kvroute.config import ConfigError, Settings, StoreURL
 from kvroute.eval.procs import free_port
 from kvroute.fleet.registry import Registry
@@ -32,6 +34,20 @@ def test_digests_are_the_same_for_every_input_type_and_ignore_a_partial_block() 
     other[BLOCK_SIZE] += 1  # block 1 differs: its digest changes, block 0's does not
     e = block_digests(other)
     assert e[0] == d[0] and e[1] != d[1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=12 * BLOCK_SIZE + 7))
+def test_the_native_digests_equal_the_numpy_reference(ids: list[int]) -> None:
+    """The index's keys come from the extension; every router must compute the same
+    digests, whatever its build: equal to ``block_digests`` bit for bit, for every input
+    type the index is given."""
+    expected = block_digests(np.array(ids, dtype=np.uint32)).view(np.uint32).tobytes()
+    t = array.array("I", ids)
+    assert block_digest_keys(t).tobytes() == expected
+    assert block_digest_keys(ids).tobytes() == expected
+    assert block_digest_keys(np.array(ids, dtype=np.uint32)).tobytes() == expected
+    assert DigestIndex().keys(t).tobytes() == expected
 
 
 def test_a_prefix_routed_by_one_router_is_matched_by_another() -> None:

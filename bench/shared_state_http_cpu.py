@@ -1,0 +1,177 @@
+"""What ``--state-store`` adds to a router's CPU per request, end to end, at a steady rate.
+
+``bench/shared_state_overhead.py`` measures publishing inside one process, with nothing
+else running between a request's changes. Here two real ``kvroute serve`` processes run
+side by side in front of the same two streaming workers (``router_overhead.py
+--serve-worker``: N events ``--chunk-gap-ms`` apart, usage in the last), one alone and
+one with ``--state-store`` on a loopback ``redis-server``; Poisson arrivals at each
+``--rates`` point go to one router, then the other (the order alternating by round), and
+each router's CPU (every thread, nanoseconds on CPU from ``/proc/PID/task/*/schedstat``)
+is read before and after its requests. First, each router's CPU while idle (heartbeats,
+health checks, the store's reads). Printed per rate: each router's CPU per request
+(median over the rounds, and the range) and the difference, round by round (the two
+measured back to back), as the median and the range.
+
+The requests are ``router_overhead.py``'s 2,029-token chat prompts on 8 system prompts,
+routed on bytes (``cache_aware``, no tokenizer), streamed; neither router writes an
+access log. Redis's own CPU is not counted (another process).
+
+Usage:
+    python bench/shared_state_http_cpu.py --rates 5,20,80 --requests 400 --rounds 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import router_overhead as ro  # noqa: E402
+from kvroute.eval.procs import free_port, kvroute_argv, start_server  # noqa: E402
+from support import RedisServer  # noqa: E402
+
+
+def cpu_ns(pid: int) -> int:
+    """Nanoseconds on CPU of every thread of ``pid`` so far."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended meanwhile
+    return total
+
+
+async def one(client: httpx.AsyncClient, url: str, body: bytes) -> bool:
+    async with client.stream(
+        "POST", url, content=body, headers={"content-type": "application/json"}
+    ) as r:
+        async for _ in r.aiter_raw():
+            pass
+        return r.status_code == 200
+
+
+async def burst(url: str, bodies: list[bytes], rate: float, seed: int) -> int:
+    """``bodies`` as Poisson arrivals at ``rate``; the number that failed."""
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(bodies))
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    async with httpx.AsyncClient(timeout=60.0, limits=limits) as client:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        tasks = []
+        at = 0.0
+        for body, gap in zip(bodies, gaps, strict=True):
+            at += float(gap)
+            delay = start + at - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(client, url, body)))
+        done = await asyncio.gather(*tasks, return_exceptions=True)
+    return sum(1 for d in done if d is not True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--rates", default="5,20,80", help="requests per second, comma-separated")
+    ap.add_argument("--requests", type=int, default=400, help="per router, rate and round")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--stream-chunks", type=int, default=16, help="events per answer")
+    ap.add_argument("--chunk-gap-ms", type=float, default=10.0, help="pause before each event")
+    ap.add_argument("--idle-s", type=float, default=10.0, help="first, each router idle this long")
+    args = ap.parse_args()
+    log_dir = Path(tempfile.mkdtemp(prefix="kvroute-store-cpu-"))
+    servers = []
+    redis = RedisServer(log_dir)
+    try:
+        urls = []
+        for _ in range(2):
+            port = free_port()
+            argv = [sys.executable, str(HERE / "router_overhead.py"), "--serve-worker", str(port)]
+            argv += ["--stream-chunks", str(args.stream_chunks)]
+            argv += ["--chunk-gap-ms", str(args.chunk_gap_ms)]
+            w = start_server(f"worker-{port}", argv, port, log_dir=str(log_dir))
+            servers.append(w)
+            urls.append(w.url)
+        routers = {}
+        for name, extra in (("alone", []), ("with Redis", ["--state-store", redis.url])):
+            port = free_port()
+            argv = kvroute_argv("serve", "--worker-urls", *urls, "--port", str(port))
+            argv += ["--policy", "cache_aware", "--log-level", "warning", *extra]
+            srv = start_server(f"router-{port}", argv, port, log_dir=str(log_dir))
+            servers.append(srv)
+            routers[name] = srv
+        names = list(routers)
+        warm = [ro.request_body(0, i, stream=True) for i in range(64)]
+        for srv in routers.values():
+            asyncio.run(burst(srv.url + "/v1/chat/completions", warm, 50.0, 0))
+        idle0 = {n: cpu_ns(srv.proc.pid) for n, srv in routers.items()}
+        t0 = time.monotonic()
+        time.sleep(args.idle_s)
+        idle_s = time.monotonic() - t0
+        idle = {n: (cpu_ns(srv.proc.pid) - idle0[n]) / 1e6 / idle_s for n, srv in routers.items()}
+        print(
+            "idle, no requests: "
+            + ", ".join(f"{n} {v:.2f} ms of CPU per second" for n, v in idle.items())
+            + f" (over {idle_s:.0f} s)\n"
+        )
+        print(
+            f"{args.requests} streamed requests per router, rate and round; {args.rounds} "
+            f"rounds; {args.stream_chunks} events {args.chunk_gap_ms:g} ms apart; "
+            f"load average before {os.getloadavg()[0]:.1f}\n"
+        )
+        print(
+            "| rate (req/s) | alone: µs/request, median (range) | with Redis | added: "
+            "median (range), per round | errors |\n|---|---|---|---|---|"
+        )
+        for rate in (float(r) for r in args.rates.split(",")):
+            per: dict[str, list[float]] = {n: [] for n in names}
+            errors = 0
+            for rnd in range(args.rounds):
+                order = names if rnd % 2 == 0 else names[::-1]
+                for name in order:
+                    srv = routers[name]
+                    bodies = [
+                        ro.request_body(1000 * (rnd + 1) + int(rate), i, stream=True)
+                        for i in range(args.requests)
+                    ]
+                    before = cpu_ns(srv.proc.pid)
+                    errors += asyncio.run(
+                        burst(srv.url + "/v1/chat/completions", bodies, rate, rnd)
+                    )
+                    per[name].append((cpu_ns(srv.proc.pid) - before) / 1000 / args.requests)
+            added = [b - a for a, b in zip(per[names[0]], per[names[1]], strict=True)]
+
+            def cell(xs: list[float]) -> str:
+                return f"{statistics.median(xs):.0f} ({min(xs):.0f}-{max(xs):.0f})"
+
+            print(
+                f"| {rate:g} | {cell(per[names[0]])} | {cell(per[names[1]])} "
+                f"| {statistics.median(added):+.0f} ({min(added):+.0f} to {max(added):+.0f}) "
+                f"| {errors} |",
+                flush=True,
+            )
+    finally:
+        for srv in reversed(servers):
+            srv.stop()
+        redis.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
