@@ -4,20 +4,20 @@
 else running between a request's changes. Here two real ``kvroute serve`` processes run
 side by side in front of the same two streaming workers (``router_overhead.py
 --serve-worker``: N events ``--chunk-gap-ms`` apart, usage in the last), one alone and
-one with ``--state-store`` on a loopback ``redis-server``; Poisson arrivals at each
-``--rates`` point go to one router, then the other (the order alternating by round), and
-each router's CPU (every thread, nanoseconds on CPU from ``/proc/PID/task/*/schedstat``)
-is read before and after its requests. First, each router's CPU while idle (heartbeats,
-health checks, the store's reads). Printed per rate: each router's CPU per request
-(median over the rounds, and the range) and the difference, round by round (the two
-measured back to back), as the median and the range.
+one with ``--state-store`` on a loopback ``redis-server``. First, each router's CPU while
+idle (heartbeats, health checks, the store's reads). Then, at each ``--rates`` point,
+both routers get the same requests at once, each on its own Poisson draw, and each
+router's CPU (every thread, nanoseconds on CPU from ``/proc/PID/task/*/schedstat``) is
+read before and after. Printed per rate: each router's CPU per request (median over the
+rounds, and the range) and the difference, round by round (the two measured over the
+same seconds), as the median and the range.
 
 The requests are ``router_overhead.py``'s 2,029-token chat prompts on 8 system prompts,
 routed on bytes (``cache_aware``, no tokenizer), streamed; neither router writes an
 access log. Redis's own CPU is not counted (another process).
 
 Usage:
-    python bench/shared_state_http_cpu.py --rates 5,20,80 --requests 400 --rounds 6
+    python bench/shared_state_http_cpu.py --rates 20,60 --requests 300 --rounds 6
 """
 
 from __future__ import annotations
@@ -143,18 +143,34 @@ def main() -> int:
             per: dict[str, list[float]] = {n: [] for n in names}
             errors = 0
             for rnd in range(args.rounds):
-                order = names if rnd % 2 == 0 else names[::-1]
-                for name in order:
-                    srv = routers[name]
-                    bodies = [
-                        ro.request_body(1000 * (rnd + 1) + int(rate), i, stream=True)
-                        for i in range(args.requests)
-                    ]
-                    before = cpu_ns(srv.proc.pid)
-                    errors += asyncio.run(
-                        burst(srv.url + "/v1/chat/completions", bodies, rate, rnd)
+                # Both routers at once, each its own Poisson draw of the same requests:
+                # whatever else the machine does meanwhile weighs on both alike.
+                bodies = [
+                    ro.request_body(1000 * (rnd + 1) + int(rate), i, stream=True)
+                    for i in range(args.requests)
+                ]
+                before = {n: cpu_ns(routers[n].proc.pid) for n in names}
+
+                async def both(
+                    bodies: list[bytes] = bodies, rnd: int = rnd, rate: float = rate
+                ) -> list[int]:
+                    return list(
+                        await asyncio.gather(
+                            *(
+                                burst(
+                                    routers[n].url + "/v1/chat/completions",
+                                    bodies,
+                                    rate,
+                                    rnd * 2 + k,
+                                )
+                                for k, n in enumerate(names)
+                            )
+                        )
                     )
-                    per[name].append((cpu_ns(srv.proc.pid) - before) / 1000 / args.requests)
+
+                errors += sum(asyncio.run(both()))
+                for n in names:
+                    per[n].append((cpu_ns(routers[n].proc.pid) - before[n]) / 1000 / args.requests)
             added = [b - a for a, b in zip(per[names[0]], per[names[1]], strict=True)]
 
             def cell(xs: list[float]) -> str:
