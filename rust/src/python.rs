@@ -420,8 +420,34 @@ impl PyPrefixIndex {
     }
 }
 
-/// `array.array('I', [0])`, repeated to size the arrays `utf8_token_ids` fills.
+/// `array.array('I', [0])`, repeated to size the arrays `u32_array` fills.
 static ONE_ZERO_ID: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+
+/// An `array.array('I')` of the `len` values of `values`, filled in place (one
+/// allocation: `ONE_ZERO_ID` repeated, then written through its buffer).
+fn u32_array<'py>(
+    py: Python<'py>,
+    len: usize,
+    values: impl Iterator<Item = u32>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let one = ONE_ZERO_ID.get_or_try_init(py, || -> PyResult<Py<PyAny>> {
+        let array = py.import("array")?.getattr("array")?;
+        Ok(array.call1(("I", vec![0u32]))?.unbind())
+    })?;
+    let out = one.bind(py).mul(len)?;
+    if len == 0 {
+        return Ok(out); // no storage to fill (nor an aligned pointer to it)
+    }
+    let buf = PyBuffer::<u32>::get(&out)?;
+    let cells = buf
+        .as_mut_slice(py)
+        .ok_or_else(|| PyTypeError::new_err("array('I') is not a writable u32 buffer"))?;
+    for (cell, v) in cells.iter().zip(values) {
+        cell.set(v);
+    }
+    drop(buf);
+    Ok(out)
+}
 
 /// The no-tokenizer mode's token IDs: one per byte of `text` in UTF-8 (lone surrogates
 /// as Python's `surrogatepass` encodes them), as an `array.array('I')`. One pass from
@@ -442,23 +468,7 @@ fn utf8_token_ids<'py>(
             encoded.as_bytes()
         }
     };
-    let one = ONE_ZERO_ID.get_or_try_init(py, || -> PyResult<Py<PyAny>> {
-        let array = py.import("array")?.getattr("array")?;
-        Ok(array.call1(("I", vec![0u32]))?.unbind())
-    })?;
-    let ids = one.bind(py).mul(utf8.len())?;
-    if utf8.is_empty() {
-        return Ok(ids); // no storage to fill (nor an aligned pointer to it)
-    }
-    let buf = PyBuffer::<u32>::get(&ids)?;
-    let cells = buf
-        .as_mut_slice(py)
-        .ok_or_else(|| PyTypeError::new_err("array('I') is not a writable u32 buffer"))?;
-    for (cell, &b) in cells.iter().zip(utf8) {
-        cell.set(u32::from(b));
-    }
-    drop(buf);
-    Ok(ids)
+    u32_array(py, utf8.len(), utf8.iter().map(|&b| u32::from(b)))
 }
 
 /// The state store's tree keys for a prompt: two u32 per whole block of 16 tokens, the
@@ -472,23 +482,7 @@ fn block_digest_keys<'py>(
     let tokens = extract_tokens(tokens)?;
     // About a nanosecond per token: shorter than releasing and taking back the GIL.
     let keys = crate::digests::block_digest_keys(&tokens);
-    let one = ONE_ZERO_ID.get_or_try_init(py, || -> PyResult<Py<PyAny>> {
-        let array = py.import("array")?.getattr("array")?;
-        Ok(array.call1(("I", vec![0u32]))?.unbind())
-    })?;
-    let out = one.bind(py).mul(keys.len())?;
-    if keys.is_empty() {
-        return Ok(out);
-    }
-    let buf = PyBuffer::<u32>::get(&out)?;
-    let cells = buf
-        .as_mut_slice(py)
-        .ok_or_else(|| PyTypeError::new_err("array('I') is not a writable u32 buffer"))?;
-    for (cell, &k) in cells.iter().zip(&keys) {
-        cell.set(k);
-    }
-    drop(buf);
-    Ok(out)
+    u32_array(py, keys.len(), keys.iter().copied())
 }
 
 pyo3::create_exception!(
