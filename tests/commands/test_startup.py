@@ -164,6 +164,7 @@ OTHER_PROGRAMS = {
     "--unique-chats",  # bench/soak.py
     "--store-delay-ms",  # bench/sim_shared_state.py
     "--replicas",  # bench/sim_shared_state.py
+    "--rates",  # bench/shared_state_http_cpu.py, bench/work_aware_seeds.py
     "--workloads",  # bench/sim_shared_state.py
     "--bisect",  # bench/work_aware.py
     "--only",  # bench/work_aware.py
