@@ -15,7 +15,7 @@ const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
 
 /// splitmix64's finaliser.
 #[inline]
-fn mix(mut x: u64) -> u64 {
+const fn mix(mut x: u64) -> u64 {
     x ^= x >> 30;
     x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
     x ^= x >> 27;
@@ -27,13 +27,7 @@ const fn multipliers() -> [u64; DIGEST_BLOCK] {
     let mut out = [0u64; DIGEST_BLOCK];
     let mut j = 0;
     while j < DIGEST_BLOCK {
-        // `mix` inlined: const fns cannot call non-const ones.
-        let mut x = ((j as u64) + 1).wrapping_mul(GOLDEN);
-        x ^= x >> 30;
-        x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        x ^= x >> 27;
-        x = x.wrapping_mul(0x94D0_49BB_1331_11EB);
-        out[j] = (x ^ (x >> 31)) | 1;
+        out[j] = mix(((j as u64) + 1).wrapping_mul(GOLDEN)) | 1;
         j += 1;
     }
     out

@@ -423,13 +423,13 @@ impl PyPrefixIndex {
 /// `array.array('I', [0])`, repeated to size the arrays `u32_array` fills.
 static ONE_ZERO_ID: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 
-/// An `array.array('I')` of the `len` values of `values`, filled in place (one
-/// allocation: `ONE_ZERO_ID` repeated, then written through its buffer).
+/// An `array.array('I')` of `values`, filled in place (one allocation: `ONE_ZERO_ID`
+/// repeated, then written through its buffer).
 fn u32_array<'py>(
     py: Python<'py>,
-    len: usize,
-    values: impl Iterator<Item = u32>,
+    values: impl ExactSizeIterator<Item = u32>,
 ) -> PyResult<Bound<'py, PyAny>> {
+    let len = values.len();
     let one = ONE_ZERO_ID.get_or_try_init(py, || -> PyResult<Py<PyAny>> {
         let array = py.import("array")?.getattr("array")?;
         Ok(array.call1(("I", vec![0u32]))?.unbind())
@@ -468,7 +468,7 @@ fn utf8_token_ids<'py>(
             encoded.as_bytes()
         }
     };
-    u32_array(py, utf8.len(), utf8.iter().map(|&b| u32::from(b)))
+    u32_array(py, utf8.iter().map(|&b| u32::from(b)))
 }
 
 /// The state store's tree keys for a prompt: two u32 per whole block of 16 tokens, the
@@ -482,7 +482,7 @@ fn block_digest_keys<'py>(
     let tokens = extract_tokens(tokens)?;
     // About a nanosecond per token: shorter than releasing and taking back the GIL.
     let keys = crate::digests::block_digest_keys(&tokens);
-    u32_array(py, keys.len(), keys.iter().copied())
+    u32_array(py, keys.iter().copied())
 }
 
 pyo3::create_exception!(

@@ -78,7 +78,7 @@ class RouterState:
             "workers": self.workers_json(),
             "index": {
                 **self.index.stats(),
-                "bytes_per_token": self.budget and self.budget.bytes_per_token,
+                "bytes_per_token": None if self.budget is None else self.budget.bytes_per_token,
             },
             "tokenizer": self.tokenizer.cache_stats(),
             "ttft_predictions": self.metrics.prediction_stats() if self.metrics else None,
