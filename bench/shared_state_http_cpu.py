@@ -16,8 +16,15 @@ The requests are ``router_overhead.py``'s 2,029-token chat prompts on 8 system p
 routed on bytes (``cache_aware``, no tokenizer), streamed; neither router writes an
 access log. Redis's own CPU is not counted (another process).
 
+``--baseline-python`` adds a third router at once, with ``--state-store`` too (on its
+own Redis database, so the two with a store do not share state): the kvroute installed
+for that interpreter (an earlier build), so a change to the store is measured against
+its baseline over the same seconds. ``--other-keys N`` first fills both databases with N
+keys of another application, as in a Redis the routers share with other data.
+
 Usage:
     python bench/shared_state_http_cpu.py --rates 20,60 --requests 300 --rounds 6
+    python bench/shared_state_http_cpu.py --baseline-python OLD_VENV/bin/python
 """
 
 from __future__ import annotations
@@ -94,11 +101,27 @@ def main() -> int:
     ap.add_argument("--stream-chunks", type=int, default=16, help="events per answer")
     ap.add_argument("--chunk-gap-ms", type=float, default=10.0, help="pause before each event")
     ap.add_argument("--idle-s", type=float, default=10.0, help="first, each router idle this long")
+    ap.add_argument(
+        "--other-keys",
+        type=int,
+        default=0,
+        help="first fill Redis with this many keys of another application (a shared Redis)",
+    )
+    ap.add_argument(
+        "--baseline-python",
+        help="a third router with a store: the kvroute installed for this interpreter",
+    )
     args = ap.parse_args()
     log_dir = Path(tempfile.mkdtemp(prefix="kvroute-store-cpu-"))
     servers = []
     redis = RedisServer(log_dir)
     try:
+        with redis.client() as c:
+            for db in (0, 1):
+                c.select(db)
+                for at in range(0, args.other_keys, 10_000):
+                    n = min(10_000, args.other_keys - at)
+                    c.mset({f"app:{db}:{at + i}": b"x" for i in range(n)})
         urls = []
         for _ in range(2):
             port = free_port()
@@ -109,10 +132,15 @@ def main() -> int:
             servers.append(w)
             urls.append(w.url)
         routers = {}
-        for name, extra in (("alone", []), ("with Redis", ["--state-store", redis.url])):
+        setups = [("alone", []), ("with Redis", ["--state-store", redis.url])]
+        if args.baseline_python:
+            setups.append(("baseline, with Redis", ["--state-store", redis.url[:-1] + "1"]))
+        for name, extra in setups:
             port = free_port()
             argv = kvroute_argv("serve", "--worker-urls", *urls, "--port", str(port))
             argv += ["--policy", "cache_aware", "--log-level", "warning", *extra]
+            if name.startswith("baseline"):
+                argv[0] = args.baseline_python
             srv = start_server(f"router-{port}", argv, port, log_dir=str(log_dir))
             servers.append(srv)
             routers[name] = srv
@@ -135,9 +163,13 @@ def main() -> int:
             f"rounds; {args.stream_chunks} events {args.chunk_gap_ms:g} ms apart; "
             f"load average before {os.getloadavg()[0]:.1f}\n"
         )
+        stored = names[1:]  # the routers with a store, each against the one alone
         print(
-            "| rate (req/s) | alone: µs/request, median (range) | with Redis | added: "
-            "median (range), per round | errors |\n|---|---|---|---|---|"
+            "| rate (req/s) | alone: µs/request, median (range) | "
+            + " | ".join(f"{n} | added" for n in stored)
+            + " | errors |\n|---|---|"
+            + "---|---|" * len(stored)
+            + "---|"
         )
         for rate in (float(r) for r in args.rates.split(",")):
             per: dict[str, list[float]] = {n: [] for n in names}
@@ -161,7 +193,7 @@ def main() -> int:
                                     routers[n].url + "/v1/chat/completions",
                                     bodies,
                                     rate,
-                                    rnd * 2 + k,
+                                    rnd * len(names) + k,
                                 )
                                 for k, n in enumerate(names)
                             )
@@ -171,17 +203,18 @@ def main() -> int:
                 errors += sum(asyncio.run(both()))
                 for n in names:
                     per[n].append((cpu_ns(routers[n].proc.pid) - before[n]) / 1000 / args.requests)
-            added = [b - a for a, b in zip(per[names[0]], per[names[1]], strict=True)]
 
             def cell(xs: list[float]) -> str:
                 return f"{statistics.median(xs):.0f} ({min(xs):.0f}-{max(xs):.0f})"
 
-            print(
-                f"| {rate:g} | {cell(per[names[0]])} | {cell(per[names[1]])} "
-                f"| {statistics.median(added):+.0f} ({min(added):+.0f} to {max(added):+.0f}) "
-                f"| {errors} |",
-                flush=True,
-            )
+            row = f"| {rate:g} | {cell(per[names[0]])} "
+            for n in stored:
+                added = [b - a for a, b in zip(per[names[0]], per[n], strict=True)]
+                row += (
+                    f"| {cell(per[n])} | {statistics.median(added):+.0f} "
+                    f"({min(added):+.0f} to {max(added):+.0f}) "
+                )
+            print(row + f"| {errors} |", flush=True)
     finally:
         for srv in reversed(servers):
             srv.stop()

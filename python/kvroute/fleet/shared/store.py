@@ -43,7 +43,7 @@ import kvroute.fleet.shared.wire as wire
 from kvroute.fleet.registry import Registry
 from kvroute.fleet.shared.applying import Applier, StoreCounters
 from kvroute.fleet.shared.digests import DigestIndex
-from kvroute.fleet.shared.heartbeat import heartbeat
+from kvroute.fleet.shared.heartbeat import Heartbeat
 from kvroute.fleet.shared.loads import SharedLoad
 from kvroute.fleet.shared.members import Membership
 from kvroute.fleet.shared.publishing import Publisher, unanswered
@@ -94,6 +94,7 @@ class StateStore(Publisher, Applier):
         self.info = orjson.dumps(
             {"id": self.id, "url": router_url, "version": version, "started": time.time()}
         )
+        self._beats = Heartbeat(self.id, self.info, self.ttl_ms)
         self.peer_load: dict[str, int] = {}
         self.routers: dict[str, dict[str, Any]] = {}
         self.counters = StoreCounters()
@@ -192,6 +193,7 @@ class StateStore(Publisher, Applier):
                         _describe(e),
                     )
                 self.connected = False
+                self._beats.forget()
                 self.peer_load.clear()
                 self.routers.clear()
                 if self.shared_load is not None:
@@ -271,7 +273,7 @@ class StateStore(Publisher, Applier):
 
     async def _beat(self, client: aioredis.Redis) -> None:
         mine = {url: w.in_flight for url, w in self.registry.workers.items() if w.in_flight > 0}
-        routers, load = await heartbeat(client, self.id, self.info, mine, self.ttl_ms)
+        routers, load = await self._beats.beat(client, mine, self.streams.routers())
         self.routers = routers
         self.streams.follow_routers(routers)
         if self.shared_load is not None:  # load as published when it changed (``loads``)

@@ -9,10 +9,11 @@ entries per request (decision, first byte, end) cost a router more CPU than writ
 them (``bench/shared_state_overhead.py``). A router's own stream is never in its read
 set, so it reads only what others wrote.
 
-Which peers: at each (re)connection every ``kvroute:stream:*`` found (``SCAN``), so a
-new router replays the decisions of every router that wrote recently, live or not; then
-each router another one greets (kind ``h`` on the shared stream, written when it
-connects, so the others follow it at once) or that a heartbeat shows live. A stream whose
+Which peers: at each (re)connection every router's stream the registry lists
+(``heartbeat``) and every ``kvroute:stream:*`` found (``SCAN``), so a new router replays
+the decisions of every router that wrote recently, live or not; then each router
+another one greets (kind ``h`` on the shared stream, written when it connects, so the
+others follow it at once) or that a heartbeat shows live. A stream whose
 router is no longer live is dropped from the read set once read to its end; its last id
 is remembered, so a router that comes back is read on from there, never twice. Each
 router's stream expires ``STREAM_TTL_MS`` after its last heartbeat.
@@ -51,6 +52,11 @@ class Streams:
         for rid in ids:
             self.follow(wire.stream_of(rid if isinstance(rid, bytes) else rid.encode()))
 
+    def routers(self) -> list[str]:
+        """The ids of the routers whose streams are read."""
+        skip = len(wire.STREAM_B) + 1
+        return [key[skip:].decode(errors="replace") for key in self.reading if key != wire.STREAM_B]
+
     def read_args(self) -> dict[bytes, bytes]:
         return {key: self.last[key] for key in self.reading}
 
@@ -65,7 +71,12 @@ class Streams:
                 self.reading.discard(key)
 
     async def discover(self, client: aioredis.Redis) -> None:
-        async for key in client.scan_iter(match=wire.STREAM + ":*", count=100):
+        """At (re)connection: every router's stream the registry lists (``heartbeat``),
+        and every one a ``SCAN`` finds (streams written by routers that do not stamp
+        the registry; once per connection, not per heartbeat)."""
+        ids: Any = await client.zrange(wire.ROUTERS, 0, -1)
+        self.follow_routers(ids)
+        async for key in client.scan_iter(match=wire.STREAM + ":*", count=1000):
             self.follow(key)
 
     async def check(self, client: aioredis.Redis) -> int:

@@ -25,6 +25,10 @@ Keys (all under ``kvroute:``; one fleet per Redis database, chosen by the URL's 
     One hash per live router, rewritten every heartbeat with a TTL (a crashed router
     vanishes by itself): ``info`` (JSON: id, url, version, started) and ``l:<worker>``
     (its requests in flight on that worker).
+``kvroute:routers``
+    A sorted set, router id -> the time of its last heartbeat (ms, by its own clock),
+    trimmed of the ids not stamped for an hour: which hashes and streams to look for
+    (``heartbeat``), without scanning the database.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ def stream_of(router: bytes) -> bytes:
 
 WORKERS = PREFIX + "workers"
 ROUTER = PREFIX + "router:"
+ROUTERS = PREFIX + "routers"
 LOAD_FIELD = "l:"
 
 INSERT, ADDED, REMOVED, CLEARED, LOAD, HELLO = b"i", b"a", b"d", b"c", b"p", b"h"
