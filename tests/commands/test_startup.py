@@ -183,7 +183,8 @@ OTHER_PROGRAMS = {
     "--skip-background",  # bench/shared_state_overhead.py
     "--parser",  # bench/shared_state_overhead.py
     "--release-delay-ms",  # bench/sim_shared_state.py
-    "--baseline-python",  # bench/router_overhead.py
+    "--baseline-python",  # bench/router_overhead.py, bench/shared_state_http_cpu.py
+    "--other-keys",  # bench/shared_state_http_cpu.py
     "--instructions",  # bench/router_overhead.py
 }
 
