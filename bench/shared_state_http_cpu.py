@@ -21,10 +21,13 @@ own Redis database, so the two with a store do not share state): the kvroute ins
 for that interpreter (an earlier build), so a change to the store is measured against
 its baseline over the same seconds. ``--other-keys N`` first fills both databases with N
 keys of another application, as in a Redis the routers share with other data.
+``--unix-socket`` adds a router with a store reached through Redis's Unix socket
+(``unix://``), as routers on Redis's own host can.
 
 Usage:
     python bench/shared_state_http_cpu.py --rates 20,60 --requests 300 --rounds 6
     python bench/shared_state_http_cpu.py --baseline-python OLD_VENV/bin/python
+    python bench/shared_state_http_cpu.py --rates 20,60 --unix-socket
 """
 
 from __future__ import annotations
@@ -108,16 +111,21 @@ def main() -> int:
         help="first fill Redis with this many keys of another application (a shared Redis)",
     )
     ap.add_argument(
+        "--unix-socket",
+        action="store_true",
+        help="a third router with a store, reaching Redis through its Unix socket",
+    )
+    ap.add_argument(
         "--baseline-python",
         help="a third router with a store: the kvroute installed for this interpreter",
     )
     args = ap.parse_args()
     log_dir = Path(tempfile.mkdtemp(prefix="kvroute-store-cpu-"))
     servers = []
-    redis = RedisServer(log_dir)
+    redis = RedisServer(log_dir, unix_socket=args.unix_socket)
     try:
         with redis.client() as c:
-            for db in (0, 1):
+            for db in (0, 1, 2):
                 c.select(db)
                 for at in range(0, args.other_keys, 10_000):
                     n = min(10_000, args.other_keys - at)
@@ -135,6 +143,9 @@ def main() -> int:
         setups = [("alone", []), ("with Redis", ["--state-store", redis.url])]
         if args.baseline_python:
             setups.append(("baseline, with Redis", ["--state-store", redis.url[:-1] + "1"]))
+        if args.unix_socket:  # the last database: apart from the others
+            unix = redis.unix_url[:-1] + "2"
+            setups.append(("Redis on its Unix socket", ["--state-store", unix]))
         for name, extra in setups:
             port = free_port()
             argv = kvroute_argv("serve", "--worker-urls", *urls, "--port", str(port))

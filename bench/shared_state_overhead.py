@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import array
 import asyncio
+import itertools
 import resource
 import shutil
 import sys
@@ -311,6 +312,12 @@ def main() -> int:
         "uvloop; 1 or more: Redis idles between writes)",
     )
     ap.add_argument("--skip-background", action="store_true", help="only the third table")
+    ap.add_argument(
+        "--transports",
+        default="tcp",
+        help="how the third table's stores reach Redis: tcp (loopback), unix (its Unix "
+        "socket, unix://), or both, comma-separated",
+    )
     args = ap.parse_args()
     concurrency = [int(c) for c in args.concurrency.split(",")]
     run = uvloop.run if args.loop == "uvloop" else asyncio.run
@@ -330,7 +337,8 @@ def main() -> int:
     from support import RedisServer
 
     with tempfile.TemporaryDirectory() as d:
-        redis = RedisServer(Path(d))
+        transports = args.transports.split(",")
+        redis = RedisServer(Path(d), unix_socket="unix" in transports)
         try:
             if not args.skip_background:
                 print("\n| prompt tokens | publish (µs/request) | publish + apply (µs/request) |")
@@ -343,13 +351,13 @@ def main() -> int:
                     row.append(run(background(redis.url, t, args.n, apply=apply)))
                 print(f"| {t:,} | {row[0]:.1f} | {row[1]:.1f} |", flush=True)
             print(
-                "\n| prompt tokens | requests per loop turn | reply parser "
+                "\n| prompt tokens | requests per loop turn | reply parser | transport "
                 "| no store, token index (µs/request) | no store, digest index "
                 "| store before | store | store, reading idle "
                 "| store − digest: before / now | publishing alone (reading idle − digest) "
                 "| of it in the kernel |"
             )
-            print("|---|---|---|---|---|---|---|---|---|---|---|")
+            print("|---|---|---|---|---|---|---|---|---|---|---|---|")
             if args.before_store:
                 load_before(args.before_store)
             modes = tuple(
@@ -357,37 +365,37 @@ def main() -> int:
                 for m in ("token", "digest", "before", "store", "unread")
                 if m in KINDS or m in ("token", "digest")
             )
-            for t in sizes:
-                for c in concurrency:
-                    for parser in args.parser.split(","):
-                        sums = dict.fromkeys(modes, 0.0)
-                        kernel = dict.fromkeys(modes, 0.0)
-                        for _ in range(args.rounds):  # interleaved rounds
-                            for mode in modes:
-                                with redis.client() as cl:
-                                    cl.flushdb()
-                                coro = requests(
-                                    redis.url,
-                                    t,
-                                    args.n,
-                                    mode=mode,
-                                    concurrency=c,
-                                    parser=parser,
-                                    gap=args.gap_ms / 1000,
-                                )
-                                cpu, sys_us = run(coro)
-                                sums[mode] += cpu / args.rounds
-                                kernel[mode] += sys_us / args.rounds
-                        tok, dig, sto, unr = (
-                            sums[m] for m in ("token", "digest", "store", "unread")
+            for t, c, parser, transport in itertools.product(
+                sizes, concurrency, args.parser.split(","), transports
+            ):
+                url = redis.unix_url if transport == "unix" else redis.url
+                sums = dict.fromkeys(modes, 0.0)
+                kernel = dict.fromkeys(modes, 0.0)
+                for _ in range(args.rounds):  # interleaved rounds
+                    for mode in modes:
+                        with redis.client() as cl:
+                            cl.flushdb()
+                        coro = requests(
+                            url,
+                            t,
+                            args.n,
+                            mode=mode,
+                            concurrency=c,
+                            parser=parser,
+                            gap=args.gap_ms / 1000,
                         )
-                        rep = sums.get("before", float("nan"))
-                        print(
-                            f"| {t:,} | {c} | {parser} | {tok:.1f} | {dig:.1f} | {rep:.1f} | "
-                            f"{sto:.1f} | {unr:.1f} | {rep - dig:+.1f} / {sto - dig:+.1f} "
-                            f"| {unr - dig:+.1f} | {kernel['unread'] - kernel['digest']:+.1f} |",
-                            flush=True,
-                        )
+                        cpu, sys_us = run(coro)
+                        sums[mode] += cpu / args.rounds
+                        kernel[mode] += sys_us / args.rounds
+                tok, dig, sto, unr = (sums[m] for m in ("token", "digest", "store", "unread"))
+                rep = sums.get("before", float("nan"))
+                print(
+                    f"| {t:,} | {c} | {parser} | {transport} | {tok:.1f} | {dig:.1f} "
+                    f"| {rep:.1f} | "
+                    f"{sto:.1f} | {unr:.1f} | {rep - dig:+.1f} / {sto - dig:+.1f} "
+                    f"| {unr - dig:+.1f} | {kernel['unread'] - kernel['digest']:+.1f} |",
+                    flush=True,
+                )
         finally:
             redis.stop()
     return 0

@@ -90,11 +90,20 @@ def start_sim_worker(log_dir: Path, *flags: str) -> Server:
 
 
 class RedisServer:
-    """A redis-server on a free loopback port, no persistence, stopped by PID."""
+    """A redis-server on a free loopback port, no persistence, stopped by PID.
+    ``unix_socket``: it also listens on a Unix socket (``unix_url``)."""
 
-    def __init__(self, log_dir: Path, password: str | None = None, port: int | None = None):
+    def __init__(
+        self,
+        log_dir: Path,
+        password: str | None = None,
+        port: int | None = None,
+        unix_socket: bool = False,
+    ):
         self.port = port or free_port()
         self.password = password
+        # A short path: a Unix socket's path is limited to 107 bytes.
+        self.socket = f"/tmp/kvroute-redis-{self.port}.sock" if unix_socket else None
         argv = [
             REDIS_SERVER or "redis-server",
             "--port",
@@ -108,6 +117,8 @@ class RedisServer:
         ]
         if password:
             argv += ["--requirepass", password]
+        if self.socket:
+            argv += ["--unixsocket", self.socket, "--unixsocketperm", "700"]
         log_dir.mkdir(parents=True, exist_ok=True)
         with open(log_dir / f"redis-{self.port}.log", "ab") as log:
             self.proc = subprocess.Popen(
@@ -119,6 +130,12 @@ class RedisServer:
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    @property
+    def unix_url(self) -> str:
+        assert self.socket is not None, "started without unix_socket=True"
+        auth = f":{self.password}@" if self.password else ""
+        return f"unix://{auth}{self.socket}?db=0"
 
     def client(self) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.port, password=self.password)
@@ -145,6 +162,8 @@ class RedisServer:
 
     def stop(self) -> None:
         stop_process(self.proc)
+        if self.socket:
+            Path(self.socket).unlink(missing_ok=True)
 
 
 REDIS_SERVER = shutil.which("redis-server") or (

@@ -10,7 +10,7 @@ import ipaddress
 import os
 import re
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from kvroute.routing.policies import POLICY_NAMES
 
@@ -97,14 +97,34 @@ def parse_worker_models(spec: str) -> tuple[str, list[str]]:
 
 @dataclass(frozen=True, slots=True)
 class StoreURL:
-    """A parsed ``redis://[:password@]host:port/db`` or ``rediss://`` URL."""
+    """A parsed ``redis://[:password@]host:port/db``, ``rediss://`` (TLS) or
+    ``unix://[:password@]/path/to/redis.sock?db=N`` (a Redis on the router's own host,
+    through its Unix socket) URL."""
 
     url: str
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
+        if parts.scheme == "unix":
+            if not parts.path or parts.path == "/":
+                raise ConfigError(
+                    "--state-store: unix:// needs the socket's path "
+                    "(unix:///run/redis/redis.sock?db=0)"
+                )
+            if parts.hostname:
+                raise ConfigError(
+                    "--state-store: a unix:// URL has no host; the socket's path starts "
+                    "with a third slash (unix:///run/redis/redis.sock)"
+                )
+            db = _query(parts.query).get("db", "0")
+            if not db.isdigit():
+                raise ConfigError("--state-store: the database must be a number (?db=0)")
+            return
         if parts.scheme not in ("redis", "rediss"):
-            raise ConfigError("--state-store must be redis://[:password@]host:port/db or rediss://")
+            raise ConfigError(
+                "--state-store must be redis://[:password@]host:port/db, rediss:// (TLS) "
+                "or unix:///path/to/redis.sock?db=N"
+            )
         if not parts.hostname:
             raise ConfigError("--state-store: missing host")
         try:
@@ -119,15 +139,29 @@ class StoreURL:
     def redacted(self) -> str:
         """The URL with any password replaced (what logs and /status show)."""
         parts = urlsplit(self.url)
+        query = parts.query
+        if parts.scheme == "unix":
+            params = _query(query)
+            if "password" in params:
+                params["password"] = "***"
+            query = "&".join(f"{k}={v}" for k, v in params.items())
         if parts.password is None and parts.username is None:
-            return self.url
-        host = parts.hostname or ""
-        port = f":{parts.port}" if parts.port else ""
-        user = parts.username or ""
-        return f"{parts.scheme}://{user}:***@{host}{port}{parts.path}"
+            if query == parts.query:
+                return self.url
+            netloc = ""
+        else:
+            host = parts.hostname or ""
+            port = f":{parts.port}" if parts.port else ""
+            netloc = f"{parts.username or ''}:***@{host}{port}"
+        return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
 
     def __repr__(self) -> str:
         return f"StoreURL({self.redacted!r})"
+
+
+def _query(query: str) -> dict[str, str]:
+    """A URL's query parameters, the last value of each."""
+    return dict(parse_qsl(query, keep_blank_values=True))
 
 
 @dataclass

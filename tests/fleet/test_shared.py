@@ -7,6 +7,7 @@ import array
 import asyncio
 
 import numpy as np
+import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,6 +17,7 @@ from kvroute.config import ConfigError, Settings, StoreURL
 from kvroute.eval.procs import free_port
 from kvroute.fleet.registry import Registry
 from kvroute.fleet.shared import BLOCK_SIZE, DigestIndex, StateStore, block_digests, wire
+from kvroute.fleet.shared.loads import pack
 
 
 def prompt(seed: int, n: int) -> array.array[int]:
@@ -148,6 +150,15 @@ def test_store_url_is_checked_and_redacted() -> None:
         assert "pw" not in str(e.value)
     s = Settings(state_store="redis://:hunter2@h:1/0")
     assert "hunter2" not in repr(s)
+    # A Redis on the router's host, through its Unix socket (password in either place).
+    assert StoreURL("unix:///run/redis.sock?db=2").redacted == "unix:///run/redis.sock?db=2"
+    assert StoreURL("unix://:hunter2@/run/r.sock?db=1").redacted == "unix://:***@/run/r.sock?db=1"
+    url = StoreURL("unix:///run/r.sock?db=0&password=hunter2")
+    assert url.redacted == "unix:///run/r.sock?db=0&password=***"
+    for bad in ("unix://", "unix:///", "unix://host/run/r.sock", "unix:///r.sock?db=x&password=pw"):
+        with pytest.raises(ConfigError) as e:
+            StoreURL(bad)
+        assert "pw" not in str(e.value)
 
 
 async def test_no_redis_never_blocks_and_the_buffer_stays_bounded() -> None:
@@ -264,19 +275,68 @@ def test_xadd_is_the_command_redis_py_would_send() -> None:
     for k, v in entry.items():
         args += [k, v]
     assert wire.xadd(key, entry, 7) == b"".join(Connection().pack_command(*args))
-    # The publisher's own encoder makes the same commands, whatever an entry carries.
-    commands = wire.Commands(key, b"abc", 2000)
+    # The publisher's own encoder makes the same commands, whatever an entry carries,
+    # with or without what its decisions are keyed on.
     decisions = [("http://w:1", b"\x01" * 16), ("http://w:2", b"\x03" * 8)]
-    for made, entry in (
-        (commands.inserts(wire.pack_inserts(decisions)), wire.insert_entry(b"abc", decisions)),
-        (
-            commands.inserts(wire.pack_inserts(decisions), b"\x02" * 30),
-            wire.insert_entry(b"abc", decisions, b"\x02" * 30),
-        ),
-        (commands.load(b"\x02" * 30), wire.insert_entry(b"abc", [], b"\x02" * 30)),
-    ):
-        entry[b"t"] = made.split(b"\r\n")[24]  # the clock, read where the encoder put it
-        assert made == wire.xadd(key, entry, 2000)
+    for x in (b"", b"tokens:0123abcd"):
+        commands = wire.Commands(key, b"abc", 2000, x)
+        for made, entry in (
+            (
+                commands.inserts(wire.pack_inserts(decisions)),
+                wire.insert_entry(b"abc", decisions, keying=x),
+            ),
+            (
+                commands.inserts(wire.pack_inserts(decisions), b"\x02" * 30),
+                wire.insert_entry(b"abc", decisions, b"\x02" * 30, keying=x),
+            ),
+            (commands.load(b"\x02" * 30), wire.insert_entry(b"abc", [], b"\x02" * 30, keying=x)),
+        ):
+            parts = made.split(b"\r\n")
+            entry[b"t"] = parts[parts.index(b"t") + 2]  # the clock, where the encoder put it
+            assert made == wire.xadd(key, entry, 2000)
+            assert (entry.get(wire.KEYING) == x) if x and entry[b"k"] == wire.INSERT else True
+
+
+def test_decisions_of_a_router_keyed_differently_are_refused_and_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from kvroute.routing.load import LoadModel
+
+    w = "http://127.0.0.1:1"
+    registry = Registry(Settings(worker_urls=[w]).validate())
+    registry.add(w)
+    index, model = DigestIndex(), LoadModel()
+    model.add_worker(w)
+    store = StateStore(
+        StoreURL("redis://127.0.0.1:1/0"),
+        registry,
+        index,
+        router_url="http://r:1",
+        version="t",
+        work=model,
+        keying="tokens:aaaaaaaaaaaa",
+    )
+    assert orjson.loads(store.info)["index"] == "tokens:aaaaaaaaaaaa"  # in /routers
+
+    def entry(router: bytes, seed: int, keying: bytes | None) -> dict[bytes, bytes]:
+        digests = DigestIndex().keys(prompt(seed, 64)).tobytes()
+        fields = wire.insert_entry(router, [(w, digests)], pack([(w, 1, 1, 64)]))
+        if keying is not None:
+            fields[wire.KEYING] = keying
+        return fields
+
+    caplog.set_level("WARNING", "kvroute.fleet.shared")
+    for seed in range(3):
+        store._apply(entry(b"bytes-router", seed, b"bytes"))
+    assert store.counters.refused == 3 and store.counters.applied["insert"] == 0
+    assert index.match(prompt(0, 64)) == {}
+    assert store.peer_load == {w: 1}  # its load still counts: workers are not keyed
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "bytes-router" in said[0] and "--tokenizer" in said[0]
+    store._apply(entry(b"same", 10, b"tokens:aaaaaaaaaaaa"))
+    store._apply(entry(b"older", 11, None))  # from a router that does not send it
+    assert store.counters.applied["insert"] == 2
+    assert index.match(prompt(10, 64)) == {w: 64} and index.match(prompt(11, 64)) == {w: 64}
 
 
 def test_a_router_reads_the_others_streams_not_its_own_and_drops_the_dead_once_read() -> None:

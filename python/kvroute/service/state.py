@@ -284,6 +284,7 @@ def setup_store(state: RouterState) -> None:
         heartbeat_s=s.state_store_heartbeat_secs,
         stream_len=s.state_store_stream_len,
         work=state.work,
+        keying=state.tokenizer.keying,
     )
     state.store = store
     state.registry.peer_load = store.peer_load

@@ -11,11 +11,14 @@ Entries this router wrote itself were applied when it made them and are skipped.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import kvroute.fleet.shared.wire as wire
 from kvroute.config import ConfigError, normalize_worker_url
+
+log = logging.getLogger("kvroute.fleet.shared")
 
 if TYPE_CHECKING:
     from kvroute.fleet.registry import Registry
@@ -32,6 +35,7 @@ class StoreCounters:
         default_factory=lambda: {"insert": 0, "added": 0, "removed": 0, "cleared": 0}
     )
     dropped: int = 0
+    refused: int = 0  # decisions of routers whose index is keyed differently
     malformed: int = 0
     errors: int = 0
     gaps: int = 0
@@ -43,6 +47,8 @@ class Applier:
     """The applying methods; ``StateStore`` sets these attributes."""
 
     _rid: bytes
+    _foreign: set[bytes]
+    keying: bytes
     ttl_ms: int
     index: DigestIndex | None
     registry: Registry
@@ -68,6 +74,10 @@ class Applier:
             self.streams.follow(wire.stream_of(fields.get(b"r", b"")))
             return
         if kind == wire.INSERT:
+            theirs = fields.get(wire.KEYING)
+            if theirs is not None and theirs != self.keying and self.keying:
+                self._refuse(fields.get(b"r", b""), theirs, fields.get(b"b", b""))
+                return
             t = fields.get(b"t", b"")
             lag_ms = max(wire.now_ms() - int(t), 0) if t.isdigit() else self.ttl_ms
             self.counters.lag_s = lag_ms / 1000
@@ -87,6 +97,26 @@ class Applier:
             self.members.apply(kind, worker)
         else:
             self.counters.malformed += 1
+
+    def _refuse(self, router: bytes, theirs: bytes, blob: bytes) -> None:
+        """Decisions of a router whose index keys are made of something else (another
+        tokenizer or chat template, or bytes): their digests never match this router's
+        prompts, and inserted they would only crowd out its own entries. Counted, and
+        said once per router. (Entries without a keying, from routers before it was
+        sent, are applied.)"""
+        try:
+            self.counters.refused += sum(1 for _ in wire.unpack_inserts(blob))
+        except ValueError:
+            self.counters.malformed += 1
+        if router not in self._foreign:
+            self._foreign.add(router)
+            log.warning(
+                "state store: router %s keys its index on %s, this one on %s: its routing "
+                "decisions are not applied here (give every replica the same --tokenizer)",
+                router.decode(errors="replace"),
+                theirs.decode(errors="replace"),
+                self.keying.decode(errors="replace"),
+            )
 
     def _worker(self, raw: bytes) -> str | None:
         """A worker URL from the stream, validated (None if it is not one)."""

@@ -40,6 +40,12 @@ class StoreCollector(Collector):
             value=c.dropped,
         )
         yield CounterMetricFamily(
+            P + "refused",
+            "Other routers' decisions not applied: their index is keyed differently "
+            "(another tokenizer or chat template, or bytes)",
+            value=c.refused,
+        )
+        yield CounterMetricFamily(
             P + "malformed", "Stream entries that could not be applied", value=c.malformed
         )
         yield CounterMetricFamily(

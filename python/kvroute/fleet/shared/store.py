@@ -82,6 +82,7 @@ class StateStore(Publisher, Applier):
         stream_len: int = 2000,
         buffer_len: int = 10_000,
         work: LoadModel | None = None,
+        keying: str = "",
     ) -> None:
         self.url = url
         self.registry = registry
@@ -91,9 +92,13 @@ class StateStore(Publisher, Applier):
         self.heartbeat_s = heartbeat_s
         self.ttl_ms = max(int(heartbeat_s * 4000), 2000)  # 4 heartbeats, at least 2 s
         self.stream_len = stream_len
-        self.info = orjson.dumps(
-            {"id": self.id, "url": router_url, "version": version, "started": time.time()}
-        )
+        # What this router's index keys are made of (``PromptTokenizer.keying``): sent
+        # with its decisions, compared with the others' (``applying``).
+        self.keying = keying.encode()
+        info = {"id": self.id, "url": router_url, "version": version, "started": time.time()}
+        if keying:
+            info["index"] = keying
+        self.info = orjson.dumps(info)
         self._beats = Heartbeat(self.id, self.info, self.ttl_ms)
         self.peer_load: dict[str, int] = {}
         self.routers: dict[str, dict[str, Any]] = {}
@@ -103,7 +108,8 @@ class StateStore(Publisher, Applier):
         self._buf_len = buffer_len
         self.members = Membership(registry, self.counters.applied, buffer_len)
         self.streams = Streams(wire.stream_of(self._rid))  # replayed from their start
-        self._commands = wire.Commands(self.streams.own, self._rid, stream_len)
+        self._commands = wire.Commands(self.streams.own, self._rid, stream_len, self.keying)
+        self._foreign: set[bytes] = set()  # routers keyed differently, warned of once
         self._wake = asyncio.Event()
         # The publishing connection's writer while connected (``_unanswered``), and
         # whether a write is already scheduled for the end of this event-loop turn.

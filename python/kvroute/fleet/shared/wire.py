@@ -10,7 +10,9 @@ Keys (all under ``kvroute:``; one fleet per Redis database, chosen by the URL's 
     clock in ms (lag metric). Kind ``i``: up to ``PER_ENTRY`` routing decisions packed
     in ``b`` (``pack_inserts``: per decision the worker URL and the prompt's block
     digests as little-endian u64s), one entry for many decisions because each Redis
-    command costs the publisher and every reader tens of µs of Python. Field ``p``
+    command costs the publisher and every reader tens of µs of Python; ``x``: what the
+    digests are of (``PromptTokenizer.keying``: ``bytes``, or ``tokens:`` and a digest
+    of the tokenizer), so a router keyed differently leaves them out. Field ``p``
     (with kind ``i``, or alone with kind ``p``): the publisher's load per worker that
     changed since its last entry (``loads.pack``: requests in flight, those waiting for
     a first byte, their uncached tokens).
@@ -58,6 +60,7 @@ ROUTERS = PREFIX + "routers"
 LOAD_FIELD = "l:"
 
 INSERT, ADDED, REMOVED, CLEARED, LOAD, HELLO = b"i", b"a", b"d", b"c", b"p", b"h"
+KEYING = b"x"
 
 
 def now_ms() -> int:
@@ -101,10 +104,11 @@ def unpack_inserts(blob: bytes) -> Iterator[tuple[bytes, bytes]]:
 
 
 def insert_entry(
-    router: bytes, decisions: Sequence[tuple[str, bytes]], load: bytes = b""
+    router: bytes, decisions: Sequence[tuple[str, bytes]], load: bytes = b"", keying: bytes = b""
 ) -> dict[bytes, bytes]:
     t = b"%d" % now_ms()
-    entry = {b"r": router, b"k": INSERT if decisions else LOAD, b"t": t}
+    entry = {b"x": keying} if keying and decisions else {}
+    entry.update({b"r": router, b"k": INSERT if decisions else LOAD, b"t": t})
     if decisions:
         entry[b"b"] = pack_inserts(decisions)
     if load:
@@ -141,11 +145,13 @@ class Commands:
 
     __slots__ = ("_insert", "_insert_load", "_load")
 
-    def __init__(self, key: bytes, router: bytes, stream_len: int) -> None:
+    def __init__(self, key: bytes, router: bytes, stream_len: int, keying: bytes = b"") -> None:
         fields = _bulk(b"r") + _bulk(router) + _bulk(b"k")
         self._load = _head(key, stream_len, 4) + fields + _bulk(LOAD) + _bulk(b"t")
-        self._insert = _head(key, stream_len, 4) + fields + _bulk(INSERT) + _bulk(b"t")
-        self._insert_load = _head(key, stream_len, 5) + fields + _bulk(INSERT) + _bulk(b"t")
+        # Decisions say what their digests are of (field ``x``, ``KEYING``).
+        n, x = (1, _bulk(KEYING) + _bulk(keying)) if keying else (0, b"")
+        self._insert = _head(key, stream_len, 4 + n) + x + fields + _bulk(INSERT) + _bulk(b"t")
+        self._insert_load = _head(key, stream_len, 5 + n) + x + fields + _bulk(INSERT) + _bulk(b"t")
 
     def load(self, load: bytes) -> bytes:
         """An entry carrying load records only (kind ``p``)."""
