@@ -365,14 +365,13 @@ def main() -> int:
                 for m in ("token", "digest", "before", "store", "unread")
                 if m in KINDS or m in ("token", "digest")
             )
-            for t, c, parser, transport in itertools.product(
-                sizes, concurrency, args.parser.split(","), transports
-            ):
-                url = redis.unix_url if transport == "unix" else redis.url
-                sums = dict.fromkeys(modes, 0.0)
-                kernel = dict.fromkeys(modes, 0.0)
-                for _ in range(args.rounds):  # interleaved rounds
-                    for mode in modes:
+            for t, c, parser in itertools.product(sizes, concurrency, args.parser.split(",")):
+                rows = [(tr, m) for tr in transports for m in modes]
+                sums = dict.fromkeys(rows, 0.0)
+                kernel = dict.fromkeys(rows, 0.0)
+                for _ in range(args.rounds):  # interleaved rounds: transports and modes
+                    for transport, mode in rows:
+                        url = redis.unix_url if transport == "unix" else redis.url
                         with redis.client() as cl:
                             cl.flushdb()
                         coro = requests(
@@ -385,17 +384,21 @@ def main() -> int:
                             gap=args.gap_ms / 1000,
                         )
                         cpu, sys_us = run(coro)
-                        sums[mode] += cpu / args.rounds
-                        kernel[mode] += sys_us / args.rounds
-                tok, dig, sto, unr = (sums[m] for m in ("token", "digest", "store", "unread"))
-                rep = sums.get("before", float("nan"))
-                print(
-                    f"| {t:,} | {c} | {parser} | {transport} | {tok:.1f} | {dig:.1f} "
-                    f"| {rep:.1f} | "
-                    f"{sto:.1f} | {unr:.1f} | {rep - dig:+.1f} / {sto - dig:+.1f} "
-                    f"| {unr - dig:+.1f} | {kernel['unread'] - kernel['digest']:+.1f} |",
-                    flush=True,
-                )
+                        sums[transport, mode] += cpu / args.rounds
+                        kernel[transport, mode] += sys_us / args.rounds
+                for transport in transports:
+                    tok, dig, sto, unr = (
+                        sums[transport, m] for m in ("token", "digest", "store", "unread")
+                    )
+                    rep = sums.get((transport, "before"), float("nan"))
+                    k_pub = kernel[transport, "unread"] - kernel[transport, "digest"]
+                    print(
+                        f"| {t:,} | {c} | {parser} | {transport} | {tok:.1f} | {dig:.1f} "
+                        f"| {rep:.1f} | {sto:.1f} | {unr:.1f} "
+                        f"| {rep - dig:+.1f} / {sto - dig:+.1f} | {unr - dig:+.1f} "
+                        f"| {k_pub:+.1f} |",
+                        flush=True,
+                    )
         finally:
             redis.stop()
     return 0
