@@ -185,6 +185,8 @@ OTHER_PROGRAMS = {
     "--release-delay-ms",  # bench/sim_shared_state.py
     "--baseline-python",  # bench/router_overhead.py, bench/shared_state_http_cpu.py
     "--other-keys",  # bench/shared_state_http_cpu.py
+    "--unix-socket",  # bench/shared_state_http_cpu.py
+    "--transports",  # bench/shared_state_overhead.py
     "--instructions",  # bench/router_overhead.py
 }
 
