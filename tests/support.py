@@ -199,3 +199,29 @@ def metric(router: Server, name: str, *labels: str) -> float:
         if series.split("{")[0] == name and all(x in series for x in labels):
             total += float(value)
     return total
+
+
+def certificates(d: Path, *names: str) -> Path:
+    """A throwaway CA (``d/ca.crt``, made with ``openssl``), and for each of ``names`` a
+    key and a certificate it signed for 127.0.0.1 (``d/NAME.key``, ``d/NAME.crt``).
+    Returns the CA's certificate."""
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
+
+    if not (d / "ca.crt").exists():
+        openssl(
+            *"req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=kvroute-test-ca".split(),
+            *("-keyout", "ca.key", "-out", "ca.crt"),
+        )
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    for name in names:
+        openssl(
+            *"req -newkey rsa:2048 -nodes -subj /CN=127.0.0.1".split(),
+            *("-keyout", f"{name}.key", "-out", f"{name}.csr"),
+        )
+        openssl(
+            *"x509 -req -days 2 -CAcreateserial -extfile san.ext".split(),
+            *("-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-out", f"{name}.crt"),
+        )
+    return d / "ca.crt"

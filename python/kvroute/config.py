@@ -250,6 +250,10 @@ class Settings:
     body_timeout_secs: float = 30.0
     keep_alive_timeout_secs: float = 5.0
     worker_url_allow: list[str] = field(default_factory=list)
+    # HTTPS for the router's own listener (and client certificates, with a CA).
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None
     # Router replicas sharing routing state, load and workers (kvroute.fleet.shared).
     state_store: str | None = field(default=None, repr=False)  # may hold a password
     state_store_heartbeat_secs: float = 0.5

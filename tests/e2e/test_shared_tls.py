@@ -20,6 +20,7 @@ import redis
 from kvroute.eval.procs import Server
 from support import (
     REDIS_SERVER,
+    certificates,
     free_port,
     metric,
     start_fake_worker,
@@ -33,30 +34,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def certificates(d: Path) -> tuple[Path, Path, Path]:
-    """A CA, and a certificate it signed for 127.0.0.1: (ca, cert, key)."""
-
-    def openssl(*args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
-
-    openssl(
-        *"req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=kvroute-test-ca".split(),
-        *("-keyout", "ca.key", "-out", "ca.crt"),
-    )
-    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
-    openssl(
-        *"req -newkey rsa:2048 -nodes -subj /CN=127.0.0.1".split(),
-        *("-keyout", "redis.key", "-out", "redis.csr"),
-    )
-    openssl(
-        *"x509 -req -days 2 -CAcreateserial -extfile san.ext -in redis.csr".split(),
-        *("-CA", "ca.crt", "-CAkey", "ca.key", "-out", "redis.crt"),
-    )
-    return d / "ca.crt", d / "redis.crt", d / "redis.key"
-
-
 def test_replicas_share_decisions_over_tls(tmp_path: Path, processes: list[Server]) -> None:
-    ca, cert, key = certificates(tmp_path)
+    ca = certificates(tmp_path, "redis")
+    cert, key = tmp_path / "redis.crt", tmp_path / "redis.key"
     port = free_port()
     argv = [REDIS_SERVER or "redis-server", "--port", "0", "--tls-port", str(port)]
     argv += ["--tls-cert-file", str(cert), "--tls-key-file", str(key)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import ssl
 import sys
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -227,6 +228,23 @@ def configure(p: argparse.ArgumentParser) -> None:
     n = p.add_argument_group("network")
     n.add_argument("--host", default="127.0.0.1", help="address to listen on")
     n.add_argument("--port", type=int, default=30000, help="port to listen on")
+    n.add_argument(
+        "--ssl-certfile",
+        default=None,
+        metavar="PEM",
+        help="serve HTTPS with this certificate (chain), PEM; the key in it or in "
+        "--ssl-keyfile. Without it the router speaks plain HTTP (behind a TLS proxy)",
+    )
+    n.add_argument(
+        "--ssl-keyfile", default=None, metavar="PEM", help="the certificate's private key, PEM"
+    )
+    n.add_argument(
+        "--ssl-ca-certs",
+        default=None,
+        metavar="PEM",
+        help="with --ssl-certfile: clients must present a certificate signed by one of "
+        "these CAs (mutual TLS)",
+    )
     n.add_argument(
         "--request-timeout-secs",
         type=float,
@@ -566,6 +584,36 @@ def check_settings(settings: Settings) -> None:
             parse_allow_pattern(pattern)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    listener_tls(settings)
+
+
+def listener_tls(settings: Settings) -> ssl.SSLContext | None:
+    """The listener's TLS context (None: plain HTTP), built at start-up so that a missing
+    file, a key that does not match its certificate or a bad CA file is one line and
+    exit status 2 rather than a traceback when uvicorn starts. Raises ConfigError."""
+    cert, key, ca = settings.ssl_certfile, settings.ssl_keyfile, settings.ssl_ca_certs
+    if cert is None:
+        if key is not None or ca is not None:
+            raise ConfigError("--ssl-keyfile and --ssl-ca-certs need --ssl-certfile")
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(cert, key)
+    except FileNotFoundError as e:
+        raise ConfigError(f"--ssl-certfile/--ssl-keyfile: no such file {e.filename!r}") from None
+    except (ssl.SSLError, OSError) as e:
+        raise ConfigError(
+            f"--ssl-certfile {cert!r}: cannot load the certificate and its key ({e})"
+        ) from None
+    if ca is not None:
+        try:
+            ctx.load_verify_locations(cafile=ca)
+        except FileNotFoundError:
+            raise ConfigError(f"--ssl-ca-certs {ca!r}: no such file") from None
+        except (ssl.SSLError, OSError) as e:
+            raise ConfigError(f"--ssl-ca-certs {ca!r}: not a CA bundle ({e})") from None
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
 
 
 def build_app(settings: Settings) -> FastAPI:
@@ -622,7 +670,8 @@ def run(args: argparse.Namespace) -> int:
             "engine's tokens (prefixes still line up; match lengths are in bytes)"
         )
     log.info(
-        "kvroute on http://%s:%d, policy %s, %d worker(s), discovery %s",
+        "kvroute on %s://%s:%d, policy %s, %d worker(s), discovery %s",
+        "https" if settings.ssl_certfile else "http",
         settings.host,
         settings.port,
         settings.policy,
@@ -665,5 +714,19 @@ def serve(app: FastAPI, settings: Settings) -> None:
         limit_concurrency=settings.max_connections or None,
         # uvicorn hands this to asyncio.wait_for, which takes fractions of a second too.
         timeout_graceful_shutdown=settings.shutdown_grace_secs,  # type: ignore[arg-type]
+        # HTTPS (the scheme requests see); the context is ``listener_tls``'s, below.
+        ssl_certfile=settings.ssl_certfile,
+        ssl_keyfile=settings.ssl_keyfile,
     )
+    tls = listener_tls(settings)
+    if tls is not None:
+        load = config.load
+
+        def load_with_tls() -> None:
+            load()
+            # Python's server defaults (TLS 1.2 and up, its ciphers) and the client
+            # certificate check, rather than uvicorn's own context.
+            config.ssl = tls
+
+        config.load = load_with_tls  # type: ignore[method-assign]
     DrainingServer(config).run()

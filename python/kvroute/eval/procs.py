@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -83,11 +84,13 @@ def wait_healthy(
     path: str = "/health",
     timeout_s: float = 30.0,
     proc: subprocess.Popen[bytes] | None = None,
+    verify: ssl.SSLContext | str | bool = True,
 ) -> None:
-    """Poll ``url + path`` until it answers 200; raise if ``proc`` exits or time runs out."""
+    """Poll ``url + path`` until it answers 200; raise if ``proc`` exits or time runs out.
+    ``verify``: for an https ``url``, what to trust (httpx's ``verify``)."""
     deadline = time.monotonic() + timeout_s
     last: str = "no answer"
-    with httpx.Client(timeout=2.0, trust_env=False) as client:
+    with httpx.Client(timeout=2.0, trust_env=False, verify=verify) as client:
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"{url}: process exited with code {proc.returncode}")
@@ -111,8 +114,11 @@ def start_server(
     timeout_s: float = 30.0,
     env: dict[str, str] | None = None,
     log_dir: str | None = None,
+    scheme: str = "http",
+    verify: ssl.SSLContext | str | bool = True,
 ) -> Server:
-    """Start ``argv`` (which must listen on ``port``) and wait until it is healthy."""
+    """Start ``argv`` (which must listen on ``port``) and wait until it is healthy
+    (``scheme`` https: trusting ``verify``)."""
     log_path = None
     full_env = dict(os.environ)
     full_env.setdefault("HF_HUB_OFFLINE", "1")
@@ -125,9 +131,9 @@ def start_server(
             proc = _spawn(argv, log, full_env)
     else:
         proc = _spawn(argv, subprocess.DEVNULL, full_env)
-    server = Server(name=name, url=f"http://{LOOPBACK}:{port}", proc=proc, log_path=log_path)
+    server = Server(name=name, url=f"{scheme}://{LOOPBACK}:{port}", proc=proc, log_path=log_path)
     try:
-        wait_healthy(server.url, health_path, timeout_s, proc)
+        wait_healthy(server.url, health_path, timeout_s, proc, verify)
     except BaseException:
         server.stop(grace_s=2.0)
         raise
