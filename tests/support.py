@@ -91,7 +91,8 @@ def start_sim_worker(log_dir: Path, *flags: str) -> Server:
 
 class RedisServer:
     """A redis-server on a free loopback port, no persistence, stopped by PID.
-    ``unix_socket``: it also listens on a Unix socket (``unix_url``)."""
+    ``unix_socket``: it also listens on a Unix socket (``unix_url``); ``extra``: more
+    of redis-server's options."""
 
     def __init__(
         self,
@@ -99,6 +100,7 @@ class RedisServer:
         password: str | None = None,
         port: int | None = None,
         unix_socket: bool = False,
+        extra: tuple[str, ...] = (),
     ):
         self.port = port or free_port()
         self.password = password
@@ -119,6 +121,7 @@ class RedisServer:
             argv += ["--requirepass", password]
         if self.socket:
             argv += ["--unixsocket", self.socket, "--unixsocketperm", "700"]
+        argv += extra
         log_dir.mkdir(parents=True, exist_ok=True)
         with open(log_dir / f"redis-{self.port}.log", "ab") as log:
             self.proc = subprocess.Popen(

@@ -118,6 +118,7 @@ class StateStore(Publisher, Applier):
         self.answered = False
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self._refused: str | None = None  # why the server was refused, said once
         self._client: aioredis.Redis | None = None
         if index is not None:
             index.on_insert = self.publish_insert
@@ -214,6 +215,7 @@ class StateStore(Publisher, Applier):
         client = self._client
         assert client is not None
         await client.ping()
+        await self._check_server(client)
         await self._catch_up(client)
         pub = await unanswered(client)
         try:
@@ -240,6 +242,26 @@ class StateStore(Publisher, Applier):
             self._writer = None
             with contextlib.suppress(Exception):
                 await pub.disconnect()
+
+    async def _check_server(self, client: aioredis.Redis) -> None:
+        """Refuse a server the store cannot work with, saying why once: a Redis
+        Cluster (a heartbeat's transaction and the ``XREAD`` over every router's
+        stream span several hash slots), or one older than 5.0 (no streams). The
+        session fails and is retried with backoff, routing on local state meanwhile."""
+        info: Any = await client.info("server")
+        cluster: Any = await client.info("cluster")
+        version = str(info.get("redis_version", ""))
+        why = None
+        if cluster.get("cluster_enabled") in (1, "1"):
+            why = "a Redis Cluster, which --state-store does not support (use a standalone Redis)"
+        elif _version(version) < (5, 0):
+            why = f"Redis {version}, older than 5.0 (streams)"
+        if why is None:
+            return
+        if why != self._refused:
+            self._refused = why
+            log.error("state store %s is %s; routing on local state", self.url.redacted, why)
+        raise UnsupportedStore(why)
 
     async def _catch_up(self, client: aioredis.Redis) -> None:
         """After (re)connecting: share the start-up workers and pending membership
@@ -291,6 +313,19 @@ class StateStore(Publisher, Applier):
         for theirs in load.values():
             for url, n in theirs.items():
                 self.peer_load[url] = self.peer_load.get(url, 0) + n
+
+
+class UnsupportedStore(Exception):
+    """The server is not one the store can work with (``StateStore._check_server``)."""
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """``7.0.15`` -> (7, 0, 15); what does not parse counts as new enough (a server
+    speaking Redis's protocol under another version scheme)."""
+    try:
+        return tuple(int(x) for x in text.split(".")[:2])
+    except ValueError:
+        return (99,)
 
 
 def cancelled_meanwhile() -> None:
