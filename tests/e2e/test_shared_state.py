@@ -440,6 +440,8 @@ def test_a_router_keyed_differently_is_not_applied_and_said_once(
     assert wait_until(lambda: live(tok) == 2 and live(raw) == 2)
     keyed = {r["index"] for r in httpx.get(tok.url + "/routers", timeout=5).json()}
     assert "bytes" in keyed and any(k.startswith("tokens:") for k in keyed)
+    status = httpx.get(tok.url + "/status", timeout=5).text
+    assert "bytes (differs: its decisions are not applied here)" in status
     for i in range(3):
         for r in (tok, raw):
             body = {"model": "fake-model", "prompt": f"shared document {i} " * 40, "max_tokens": 1}

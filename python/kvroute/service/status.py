@@ -185,11 +185,21 @@ def _routers(snapshot: dict[str, Any]) -> str:
     """Live router replicas (--state-store), or nothing without a store."""
     if "routers" not in snapshot:
         return ""
+    routers = snapshot["routers"]
+    mine = next((r.get("index") for r in routers if r.get("self")), None)
+
+    def keyed(r: dict[str, Any]) -> str:
+        index = r.get("index", "?")
+        if r.get("self") or mine is None or index in ("?", mine):
+            return str(index)
+        return f"{index} (differs: its decisions are not applied here)"
+
     rows = [
-        [r.get("id", "?") + (" (this one)" if r.get("self") else ""), r.get("url", "?")]
-        for r in snapshot["routers"]
+        [r.get("id", "?") + (" (this one)" if r.get("self") else ""), r.get("url", "?"), keyed(r)]
+        for r in routers
     ]
-    return f"<h2>Routers sharing state ({len(rows)} live)</h2>\n" + _table(["id", "url"], rows)
+    head = f"<h2>Routers sharing state ({len(rows)} live)</h2>\n"
+    return head + _table(["id", "url", "index keyed on"], rows)
 
 
 def _per_token(index: dict[str, Any]) -> str:
