@@ -48,6 +48,7 @@ def test_manifests_validate_against_the_kubernetes_schema() -> None:
         [
             "ConfigMap",
             "Deployment",
+            "PrometheusRule",
             "Role",
             "RoleBinding",
             "Service",
