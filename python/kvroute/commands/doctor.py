@@ -5,7 +5,8 @@ seen working on a probe prompt sent twice), cached tokens reported, KV events, t
 tokenizer kvroute would use against the engine's own ``/tokenize``, clock skew
 (``kvroute.fleet.probe`` has the details). Across the fleet: one model, one block size.
 With ``--kv-events`` (the ``serve`` syntax), it listens on those endpoints while the
-probes run and checks that each worker's events arrive.
+probes run and checks that each worker's events arrive. With ``--state-store``, it
+checks that Redis as the routers would use it (``kvroute.fleet.shared.server``).
 
 Prints what to fix with the engine flags that fix it. Exit code 0 when nothing must be
 fixed (warnings allowed), 1 when something must, 2 on bad arguments.
@@ -26,7 +27,15 @@ STATUS_MARK = {"ok": "ok  ", "info": "info", "warn": "WARN", "fail": "FAIL"}
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("urls", nargs="+", metavar="URL", help="worker base URLs")
+    p.add_argument("urls", nargs="*", metavar="URL", help="worker base URLs")
+    p.add_argument(
+        "--state-store",
+        default=None,
+        metavar="URL",
+        help="as kvroute serve's --state-store: check that Redis (reachable with these "
+        "credentials, a version and mode the routers can use, its round trip, every "
+        "command they send allowed, the routers live there)",
+    )
     p.add_argument(
         "--tokenizer",
         default=None,
@@ -59,7 +68,14 @@ def run(args: argparse.Namespace) -> int:
     from kvroute.config import ConfigError, normalize_worker_url
     from kvroute.routing.tokenization import PromptTokenizer
 
+    store = None
     try:
+        if not args.urls and args.state_store is None:
+            raise ConfigError("give worker URLs, --state-store, or both")
+        if args.state_store is not None:
+            from kvroute.config import StoreURL
+
+            store = StoreURL(args.state_store)
         urls = [normalize_worker_url(u) for u in args.urls]
         if args.tokenizer is not None and not os.path.isdir(args.tokenizer):
             raise ConfigError(f"--tokenizer {args.tokenizer!r}: no such directory")
@@ -76,20 +92,23 @@ def run(args: argparse.Namespace) -> int:
         if subscriber is not None:
             subscriber.stop()
     fleet = _fleet_findings(reports)
-    failed = any(r.failed for r in reports) or any(f.status == "fail" for f in fleet)
+    stored = []
+    if store is not None:
+        from kvroute.fleet.shared.server import check
+
+        stored = asyncio.run(check(store, args.timeout))
+    failed = any(r.failed for r in reports) or any(f.status == "fail" for f in (*fleet, *stored))
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "ok": not failed,
-                    "workers": [r.as_json() for r in reports],
-                    "fleet": [vars(f) for f in fleet],
-                },
-                indent=2,
-            )
-        )
+        report: dict[str, Any] = {
+            "ok": not failed,
+            "workers": [r.as_json() for r in reports],
+            "fleet": [vars(f) for f in fleet],
+        }
+        if store is not None:
+            report["state_store"] = [vars(f) for f in stored]
+        print(json.dumps(report, indent=2))
     else:
-        _print(reports, fleet, failed)
+        _print(reports, fleet, failed, stored)
     return 1 if failed else 0
 
 
@@ -190,7 +209,7 @@ def _fleet_findings(reports: list[Any]) -> list[Any]:
     return out
 
 
-def _print(reports: list[Any], fleet: list[Any], failed: bool) -> None:
+def _print(reports: list[Any], fleet: list[Any], failed: bool, stored: list[Any]) -> None:
     fixes: list[str] = []
     for rep in reports:
         what = f"{rep.engine} {rep.version or ''}".strip()
@@ -199,12 +218,13 @@ def _print(reports: list[Any], fleet: list[Any], failed: bool) -> None:
             print(f"  [{STATUS_MARK[f.status]}] {f.check}: {f.detail}")
             if f.fix and f.status in ("warn", "fail"):
                 fixes.append(f"{rep.url}: {f.fix}")
-    if fleet:
-        print("fleet")
-        for f in fleet:
+    for title, found in (("fleet", fleet), ("state store", stored)):
+        if found:
+            print(title)
+        for f in found:
             print(f"  [{STATUS_MARK[f.status]}] {f.check}: {f.detail}")
             if f.fix and f.status in ("warn", "fail"):
-                fixes.append(f"fleet: {f.fix}")
+                fixes.append(f"{title}: {f.fix}")
     print()
     if fixes:
         print("to fix:")

@@ -47,6 +47,7 @@ from kvroute.fleet.shared.heartbeat import Heartbeat
 from kvroute.fleet.shared.loads import SharedLoad
 from kvroute.fleet.shared.members import Membership
 from kvroute.fleet.shared.publishing import Publisher, unanswered
+from kvroute.fleet.shared.server import unsupported
 from kvroute.fleet.shared.streams import Streams
 from kvroute.routing.load import LoadModel
 
@@ -244,18 +245,12 @@ class StateStore(Publisher, Applier):
                 await pub.disconnect()
 
     async def _check_server(self, client: aioredis.Redis) -> None:
-        """Refuse a server the store cannot work with, saying why once: a Redis
-        Cluster (a heartbeat's transaction and the ``XREAD`` over every router's
-        stream span several hash slots), or one older than 5.0 (no streams). The
-        session fails and is retried with backoff, routing on local state meanwhile."""
+        """Refuse a server the store cannot work with (``server.unsupported``: a Redis
+        Cluster, or one older than 5.0), saying why once. The session fails and is
+        retried with backoff, routing on local state meanwhile."""
         info: Any = await client.info("server")
         cluster: Any = await client.info("cluster")
-        version = str(info.get("redis_version", ""))
-        why = None
-        if cluster.get("cluster_enabled") in (1, "1"):
-            why = "a Redis Cluster, which --state-store does not support (use a standalone Redis)"
-        elif _version(version) < (5, 0):
-            why = f"Redis {version}, older than 5.0 (streams)"
+        why = unsupported(info, cluster)
         if why is None:
             return
         if why != self._refused:
@@ -317,15 +312,6 @@ class StateStore(Publisher, Applier):
 
 class UnsupportedStore(Exception):
     """The server is not one the store can work with (``StateStore._check_server``)."""
-
-
-def _version(text: str) -> tuple[int, ...]:
-    """``7.0.15`` -> (7, 0, 15); what does not parse counts as new enough (a server
-    speaking Redis's protocol under another version scheme)."""
-    try:
-        return tuple(int(x) for x in text.split(".")[:2])
-    except ValueError:
-        return (99,)
 
 
 def cancelled_meanwhile() -> None:
