@@ -140,15 +140,14 @@ class StoreURL:
         """The URL with any password replaced (what logs and /status show)."""
         parts = urlsplit(self.url)
         query = parts.query
-        if parts.scheme == "unix":
-            params = _query(query)
-            if "password" in params:
-                params["password"] = "***"
+        params = _query(query)
+        if "password" in params:  # redis-py takes ?password= too, on any scheme
+            params["password"] = "***"
             query = "&".join(f"{k}={v}" for k, v in params.items())
         if parts.password is None and parts.username is None:
             if query == parts.query:
                 return self.url
-            netloc = ""
+            netloc = parts.netloc
         else:
             host = parts.hostname or ""
             port = f":{parts.port}" if parts.port else ""

@@ -155,6 +155,10 @@ def test_store_url_is_checked_and_redacted() -> None:
     assert StoreURL("unix://:hunter2@/run/r.sock?db=1").redacted == "unix://:***@/run/r.sock?db=1"
     url = StoreURL("unix:///run/r.sock?db=0&password=hunter2")
     assert url.redacted == "unix:///run/r.sock?db=0&password=***"
+    # redis-py reads ?password= on any scheme.
+    url = StoreURL("rediss://cache:6380/0?ssl_ca_certs=/ca.pem&password=hunter2")
+    assert url.redacted == "rediss://cache:6380/0?ssl_ca_certs=/ca.pem&password=***"
+    assert "hunter2" not in repr(url)
     for bad in ("unix://", "unix:///", "unix://host/run/r.sock", "unix:///r.sock?db=x&password=pw"):
         with pytest.raises(ConfigError) as e:
             StoreURL(bad)

@@ -207,8 +207,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         "redis://[:password@]host:port/db, rediss:// (TLS), or "
         "unix://[:password@]/path/to/redis.sock?db=N (a Redis on this host). Redis "
         "being down or slow never fails or delays a request: routing falls back to "
-        "local state "
-        "(see docs/several-routers.md)",
+        "local state (see docs/several-routers.md)",
     )
     g.add_argument(
         "--state-store-heartbeat-secs",
