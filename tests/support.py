@@ -204,6 +204,15 @@ def metric(router: Server, name: str, *labels: str) -> float:
     return total
 
 
+def cluster_flags(d: Path) -> tuple[str, ...]:
+    """redis-server's options for a cluster-mode node (no slots assigned: enough to be
+    refused), its bus on a free port of its own (by default the port + 10,000, which
+    a free port above 55,535 cannot have)."""
+    nodes = d / f"nodes-{free_port()}.conf"
+    bus = str(free_port())
+    return ("--cluster-enabled", "yes", "--cluster-config-file", str(nodes), "--cluster-port", bus)
+
+
 def certificates(d: Path, *names: str) -> Path:
     """A throwaway CA (``d/ca.crt``, made with ``openssl``), and for each of ``names`` a
     key and a certificate it signed for 127.0.0.1 (``d/NAME.key``, ``d/NAME.crt``).

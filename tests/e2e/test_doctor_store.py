@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 
 from kvroute.eval.procs import kvroute_argv
 from kvroute.fleet.shared.heartbeat import Heartbeat
-from support import REDIS_SERVER, RedisServer
+from support import REDIS_SERVER, RedisServer, cluster_flags
 
 pytestmark = pytest.mark.skipif(
     REDIS_SERVER is None, reason="redis-server is not installed (apt-get install redis-server)"
@@ -58,18 +58,17 @@ def test_a_usable_store_passes_and_lists_its_routers(tmp_path: Path) -> None:
 
 def test_what_the_routers_cannot_use_fails_with_the_fix(tmp_path: Path) -> None:
     secret = "doctor-pa55"
+    cluster = RedisServer(tmp_path / "b", extra=cluster_flags(tmp_path))
+    try:
+        code, found, _ = doctor(cluster.url)
+        assert code == 1 and "Redis Cluster" in found["server"]["detail"]
+    finally:
+        cluster.stop()
     server = RedisServer(tmp_path / "a", password=secret)
-    cluster = RedisServer(
-        tmp_path / "b",
-        extra=("--cluster-enabled", "yes", "--cluster-config-file", str(tmp_path / "n.conf")),
-    )
     try:
         code, found, text = doctor(server.url.replace(secret, "wrong-" + secret))
         assert code == 1 and found["connect"]["status"] == "fail"
         assert "password" in found["connect"]["fix"] and secret not in text
-
-        code, found, _ = doctor(cluster.url)
-        assert code == 1 and "Redis Cluster" in found["server"]["detail"]
 
         with server.client() as c:  # users refused some of what the routers send
             c.execute_command("ACL", "SETUSER", "nostream", "on", ">pw", "~*", "&*", "+@all")
@@ -84,4 +83,3 @@ def test_what_the_routers_cannot_use_fails_with_the_fix(tmp_path: Path) -> None:
         assert "CLIENT" in found["client reply"]["fix"]
     finally:
         server.stop()
-        cluster.stop()

@@ -18,7 +18,7 @@ from kvroute.config import Settings, StoreURL
 from kvroute.fleet.registry import Registry
 from kvroute.fleet.shared import DigestIndex, StateStore, wire
 from kvroute.routing.load import LoadModel
-from support import REDIS_SERVER, RedisServer
+from support import REDIS_SERVER, RedisServer, cluster_flags
 
 pytestmark = pytest.mark.skipif(
     REDIS_SERVER is None, reason="redis-server is not installed (apt-get install redis-server)"
@@ -145,10 +145,7 @@ async def test_a_redis_cluster_is_refused_once_and_routing_stays_local(
     """A Redis in cluster mode cannot hold the store (its transactions and reads span
     hash slots): the store says so once, keeps retrying with backoff, and the router
     routes on its own index."""
-    nodes = tmp_path / "nodes.conf"
-    server = RedisServer(
-        tmp_path, extra=("--cluster-enabled", "yes", "--cluster-config-file", str(nodes))
-    )
+    server = RedisServer(tmp_path, extra=cluster_flags(tmp_path))
     registry = Registry(Settings(worker_urls=[W]).validate())
     registry.add(W)
     index = DigestIndex()
