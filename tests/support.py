@@ -204,6 +204,50 @@ def metric(router: Server, name: str, *labels: str) -> float:
     return total
 
 
+class SentinelServer:
+    """A Redis Sentinel (``redis-server --sentinel``) on a free loopback port watching
+    the primary at ``primary_port`` as ``mymaster`` (quorum 1, down after 1 s), stopped
+    by PID."""
+
+    def __init__(self, log_dir: Path, primary_port: int) -> None:
+        self.port = free_port()
+        log_dir.mkdir(parents=True, exist_ok=True)
+        conf = log_dir / f"sentinel-{self.port}.conf"  # Sentinel rewrites it: its own file
+        conf.write_text(
+            f"port {self.port}\nbind 127.0.0.1\n"
+            f"sentinel monitor mymaster 127.0.0.1 {primary_port} 1\n"
+            "sentinel down-after-milliseconds mymaster 1000\n"
+            "sentinel failover-timeout mymaster 3000\n"
+        )
+        with open(log_dir / f"sentinel-{self.port}.log", "ab") as log:
+            self.proc = subprocess.Popen(
+                [REDIS_SERVER or "redis-server", str(conf), "--sentinel"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                with self.client() as c:
+                    c.ping()
+                return
+            except redis.RedisError:
+                time.sleep(0.05)
+        self.stop()
+        raise TimeoutError("redis-sentinel did not answer PING within 15 s")
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, decode_responses=True)
+
+    def primary_port(self) -> int:
+        with self.client() as c:
+            return int(c.execute_command("SENTINEL", "get-master-addr-by-name", "mymaster")[1])
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+
+
 def cluster_flags(d: Path) -> tuple[str, ...]:
     """redis-server's options for a cluster-mode node (no slots assigned: enough to be
     refused), its bus on a free port of its own (by default the port + 10,000, which

@@ -105,6 +105,9 @@ class StoreURL:
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
+        if parts.scheme == "redis+sentinel":
+            self.sentinel()  # raises ConfigError
+            return
         if parts.scheme == "unix":
             if not parts.path or parts.path == "/":
                 raise ConfigError(
@@ -122,8 +125,9 @@ class StoreURL:
             return
         if parts.scheme not in ("redis", "rediss"):
             raise ConfigError(
-                "--state-store must be redis://[:password@]host:port/db, rediss:// (TLS) "
-                "or unix:///path/to/redis.sock?db=N"
+                "--state-store must be redis://[:password@]host:port/db, rediss:// (TLS), "
+                "unix:///path/to/redis.sock?db=N or "
+                "redis+sentinel://[:password@]host:port[,host:port...]/SERVICE[/db]"
             )
         if not parts.hostname:
             raise ConfigError("--state-store: missing host")
@@ -135,10 +139,47 @@ class StoreURL:
         if not db.isdigit():
             raise ConfigError("--state-store: the path must be a database number (/0)")
 
+    def sentinel(self) -> tuple[list[tuple[str, int]], str, int, str | None]:
+        """A ``redis+sentinel://`` URL's (sentinels, service name, db, password): the
+        password is the primary's (``?sentinel_password=`` for the sentinels'). Raises
+        ConfigError, never echoing the URL."""
+        parts = urlsplit(self.url)
+        userinfo, _, hosts = parts.netloc.rpartition("@")
+        sentinels = []
+        for item in hosts.split(","):
+            host, sep, port = item.strip().rpartition(":")
+            if not sep:
+                host, port = port, "26379"
+            host = host.strip("[]")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(
+                    "--state-store: redis+sentinel:// needs host:port of each sentinel, "
+                    "comma-separated"
+                )
+            sentinels.append((host, int(port)))
+        path = [x for x in parts.path.split("/") if x]
+        if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
+            raise ConfigError(
+                "--state-store: redis+sentinel:// needs the primary's service name, then "
+                "optionally a database number: /mymaster/0"
+            )
+        password = userinfo.partition(":")[2] if userinfo else None
+        return sentinels, path[0], int(path[1]) if len(path) == 2 else 0, password or None
+
     @property
     def redacted(self) -> str:
         """The URL with any password replaced (what logs and /status show)."""
         parts = urlsplit(self.url)
+        if parts.scheme == "redis+sentinel":
+            userinfo, at, hosts = parts.netloc.rpartition("@")
+            user = userinfo.partition(":")[0]
+            params = _query(parts.query)
+            for key in ("password", "sentinel_password"):
+                if key in params:
+                    params[key] = "***"
+            query = "&".join(f"{k}={v}" for k, v in params.items())
+            netloc = f"{user}:***@{hosts}" if at else hosts
+            return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
         query = parts.query
         params = _query(query)
         if "password" in params:  # redis-py takes ?password= too, on any scheme

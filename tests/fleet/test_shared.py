@@ -155,6 +155,17 @@ def test_store_url_is_checked_and_redacted() -> None:
     assert StoreURL("unix://:hunter2@/run/r.sock?db=1").redacted == "unix://:***@/run/r.sock?db=1"
     url = StoreURL("unix:///run/r.sock?db=0&password=hunter2")
     assert url.redacted == "unix:///run/r.sock?db=0&password=***"
+    # Through sentinels: the primary's password, the sentinels' own, both redacted.
+    url = StoreURL("redis+sentinel://:hunter2@s1:26379,[::1]:26380,s3/mymaster/2")
+    hosts = [("s1", 26379), ("::1", 26380), ("s3", 26379)]
+    assert url.sentinel() == (hosts, "mymaster", 2, "hunter2")
+    assert url.redacted == "redis+sentinel://:***@s1:26379,[::1]:26380,s3/mymaster/2"
+    url = StoreURL("redis+sentinel://s1/mymaster?sentinel_password=hunter2")
+    assert url.sentinel()[1:] == ("mymaster", 0, None) and "hunter2" not in url.redacted
+    for bad in ("redis+sentinel://s1/", "redis+sentinel://s1:x/m", "redis+sentinel://:pw@s1/m/db"):
+        with pytest.raises(ConfigError) as e:
+            StoreURL(bad)
+        assert "pw" not in str(e.value)
     # redis-py reads ?password= on any scheme.
     url = StoreURL("rediss://cache:6380/0?ssl_ca_certs=/ca.pem&password=hunter2")
     assert url.redacted == "rediss://cache:6380/0?ssl_ca_certs=/ca.pem&password=***"

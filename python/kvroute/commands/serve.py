@@ -204,8 +204,10 @@ def configure(p: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="router replicas share their routing decisions (block digests, never "
         "prompts), their load per worker and the worker list through Redis: "
-        "redis://[:password@]host:port/db, rediss:// (TLS), or "
-        "unix://[:password@]/path/to/redis.sock?db=N (a Redis on this host). Redis "
+        "redis://[:password@]host:port/db, rediss:// (TLS), "
+        "unix://[:password@]/path/to/redis.sock?db=N (a Redis on this host), or "
+        "redis+sentinel://[:password@]host:port[,host:port...]/SERVICE[/db] (the "
+        "primary the sentinels name, followed across failovers). Redis "
         "being down or slow never fails or delays a request: routing falls back to "
         "local state (see docs/several-routers.md)",
     )

@@ -1,5 +1,7 @@
 """Which Redis the store can use, and ``kvroute doctor --state-store``'s checks of one.
 
+``client_for``: the client for a store URL, through sentinels for ``redis+sentinel://``.
+
 ``unsupported``: a Redis Cluster (a heartbeat's transaction and the ``XREAD`` over every
 router's stream span several hash slots) or a Redis older than 5.0 (no streams); the
 store refuses either when it connects (``StateStore._check_server``).
@@ -17,12 +19,39 @@ import os
 import statistics
 import time
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 import kvroute.fleet.shared.wire as wire
 from kvroute.fleet.probe.report import Finding
+
+
+def client_for(url: wire.StoreURL, **kwargs: Any) -> aioredis.Redis:
+    """The redis-py client for ``url`` (``kwargs``: connection options). With
+    ``redis+sentinel://`` each new connection goes to the primary the sentinels name at
+    that moment, so after a failover the store's next session finds the new one."""
+    parts = urlsplit(url.url)
+    if parts.scheme != "redis+sentinel":
+        return aioredis.from_url(url.url, **kwargs)
+    from redis.asyncio.sentinel import Sentinel
+
+    sentinels, service, db, password = url.sentinel()
+    sentinel_kwargs = {k: v for k, v in kwargs.items() if k.startswith("socket_")}
+    if given := dict(parse_qsl(parts.query)).get("sentinel_password"):
+        sentinel_kwargs["password"] = given
+    manager = Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
+    client: aioredis.Redis = manager.master_for(service, db=db, password=password, **kwargs)
+    return client
+
+
+async def close(client: aioredis.Redis) -> None:
+    """Close ``client``, and its connections to the sentinels if it has any."""
+    await client.aclose()
+    manager = getattr(client.connection_pool, "sentinel_manager", None)
+    for sentinel in getattr(manager, "sentinels", ()):
+        await sentinel.aclose()
 
 
 def unsupported(server: dict[str, Any], cluster: dict[str, Any]) -> str | None:
@@ -47,14 +76,14 @@ def _version(text: str) -> tuple[int, ...]:
 
 async def check(url: wire.StoreURL, timeout_s: float = 5.0) -> list[Finding]:
     """``kvroute doctor``'s findings on the store at ``url`` (never raises)."""
-    client = aioredis.from_url(url.url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    client = client_for(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
     try:
         return await _check(client, url)
     except (TimeoutError, RedisError, OSError) as e:
         fix = "check the URL's host, port, password and TLS (rediss://), and that Redis runs"
         return [Finding("connect", "fail", f"{url.redacted}: {type(e).__name__}: {e}", fix)]
     finally:
-        await client.aclose()
+        await close(client)
 
 
 async def _check(client: aioredis.Redis, url: wire.StoreURL) -> list[Finding]:

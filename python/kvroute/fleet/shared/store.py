@@ -47,7 +47,7 @@ from kvroute.fleet.shared.heartbeat import Heartbeat
 from kvroute.fleet.shared.loads import SharedLoad
 from kvroute.fleet.shared.members import Membership
 from kvroute.fleet.shared.publishing import Publisher, unanswered
-from kvroute.fleet.shared.server import unsupported
+from kvroute.fleet.shared.server import client_for, close, unsupported
 from kvroute.fleet.shared.streams import Streams
 from kvroute.routing.load import LoadModel
 
@@ -158,8 +158,8 @@ class StateStore(Publisher, Applier):
     # ------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        self._client = aioredis.from_url(
-            self.url.url,
+        self._client = client_for(
+            self.url,
             socket_timeout=2.0,
             socket_connect_timeout=1.0,
             retry=Retry(NoBackoff(), 0),  # this class does the retrying, with backoff
@@ -178,7 +178,7 @@ class StateStore(Publisher, Applier):
                     async with asyncio.timeout(0.5):
                         await self._client.delete(wire.ROUTER + self.id)
             with contextlib.suppress(Exception):
-                await self._client.aclose()
+                await close(self._client)
 
     async def _run(self) -> None:
         delay = BACKOFF_MIN_S
