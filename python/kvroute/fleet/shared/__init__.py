@@ -26,7 +26,9 @@ router knows alone:
 ``publishing`` how a router writes without waiting; ``streams`` why one stream per
 router and which ones a router reads; ``applying`` what a peer's entry does here;
 ``members`` how the worker list is kept in step; ``heartbeat`` the load and live-router
-records; ``loads`` the load shared as it changes.
+records (and the registry that finds them without scanning); ``loads`` the load shared
+as it changes; ``server`` the client for a store URL (Sentinel included), the servers the
+store refuses, and ``kvroute doctor``'s checks of one.
 """
 
 from kvroute.fleet.shared.applying import StoreCounters
