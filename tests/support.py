@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 import redis
 
 from kvroute.eval.procs import Server, free_port, kvroute_argv, start_server, stop_process
@@ -89,6 +90,22 @@ def start_sim_worker(log_dir: Path, *flags: str) -> Server:
     return start_server(f"sim-{port}", argv, port, log_dir=str(log_dir))
 
 
+def wait_for_ping(server: RedisServer | SentinelServer, what: str) -> None:
+    """Until ``server`` answers PING (15 s at most; stopped if it never does)."""
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {server.proc.returncode}")
+        try:
+            with server.client() as c:
+                c.ping()
+            return
+        except redis.RedisError:
+            time.sleep(0.05)
+    server.stop()
+    raise TimeoutError(f"{what} did not answer PING within 15 s")
+
+
 class RedisServer:
     """A redis-server on a free loopback port, no persistence, stopped by PID.
     ``unix_socket``: it also listens on a Unix socket (``unix_url``); ``extra``: more
@@ -144,18 +161,7 @@ class RedisServer:
         return redis.Redis(host="127.0.0.1", port=self.port, password=self.password)
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
-            try:
-                with self.client() as c:
-                    c.ping()
-                return
-            except redis.RedisError:
-                time.sleep(0.05)
-        self.stop()
-        raise TimeoutError("redis-server did not answer PING within 15 s")
+        wait_for_ping(self, "redis-server")
 
     def kill(self) -> None:
         """SIGKILL (an outage, not a shutdown)."""
@@ -171,6 +177,10 @@ class RedisServer:
 
 REDIS_SERVER = shutil.which("redis-server") or (
     "/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None
+)
+# Test modules that need a real redis-server: ``pytestmark = NEEDS_REDIS``.
+NEEDS_REDIS = pytest.mark.skipif(
+    REDIS_SERVER is None, reason="redis-server is not installed (apt-get install redis-server)"
 )
 
 
@@ -226,16 +236,7 @@ class SentinelServer:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            try:
-                with self.client() as c:
-                    c.ping()
-                return
-            except redis.RedisError:
-                time.sleep(0.05)
-        self.stop()
-        raise TimeoutError("redis-sentinel did not answer PING within 15 s")
+        wait_for_ping(self, "redis-sentinel")
 
     def client(self) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.port, decode_responses=True)

@@ -10,16 +10,13 @@ import json
 import subprocess
 from pathlib import Path
 
-import pytest
 import redis.asyncio as aioredis
 
 from kvroute.eval.procs import kvroute_argv
 from kvroute.fleet.shared.heartbeat import Heartbeat
-from support import REDIS_SERVER, RedisServer, cluster_flags
+from support import NEEDS_REDIS, RedisServer, cluster_flags
 
-pytestmark = pytest.mark.skipif(
-    REDIS_SERVER is None, reason="redis-server is not installed (apt-get install redis-server)"
-)
+pytestmark = NEEDS_REDIS
 
 
 def doctor(url: str) -> tuple[int, dict[str, dict[str, str]], str]:

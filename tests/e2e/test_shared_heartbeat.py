@@ -15,11 +15,9 @@ import redis.asyncio as aioredis
 
 from kvroute.fleet.shared import wire
 from kvroute.fleet.shared.heartbeat import Heartbeat
-from support import REDIS_SERVER, RedisServer
+from support import NEEDS_REDIS, RedisServer
 
-pytestmark = pytest.mark.skipif(
-    REDIS_SERVER is None, reason="redis-server is not installed (apt-get install redis-server)"
-)
+pytestmark = NEEDS_REDIS
 
 W = "http://127.0.0.1:1"
 

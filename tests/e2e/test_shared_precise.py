@@ -18,14 +18,11 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 from kvroute.eval.procs import Server, free_port, kvroute_argv, start_server
-from support import REDIS_SERVER, RedisServer, metric, start_router, wait_until
+from support import NEEDS_REDIS, RedisServer, metric, start_router, wait_until
 
-pytestmark = pytest.mark.skipif(
-    REDIS_SERVER is None, reason="redis-server is not installed (apt-get install redis-server)"
-)
+pytestmark = NEEDS_REDIS
 
 
 def decisions(router: Server, reason: str) -> float:

@@ -18,11 +18,9 @@ from kvroute.config import Settings, StoreURL
 from kvroute.fleet.registry import Registry
 from kvroute.fleet.shared import DigestIndex, StateStore, wire
 from kvroute.routing.load import LoadModel
-from support import REDIS_SERVER, RedisServer, cluster_flags
+from support import NEEDS_REDIS, RedisServer, cluster_flags
 
-pytestmark = pytest.mark.skipif(
-    REDIS_SERVER is None, reason="redis-server is not installed (apt-get install redis-server)"
-)
+pytestmark = NEEDS_REDIS
 
 W = "http://127.0.0.1:1"
 

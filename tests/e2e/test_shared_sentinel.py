@@ -12,11 +12,10 @@ import subprocess
 from pathlib import Path
 
 import httpx
-import pytest
 
 from kvroute.eval.procs import Server, kvroute_argv
 from support import (
-    REDIS_SERVER,
+    NEEDS_REDIS,
     RedisServer,
     SentinelServer,
     metric,
@@ -25,9 +24,7 @@ from support import (
     wait_until,
 )
 
-pytestmark = pytest.mark.skipif(
-    REDIS_SERVER is None, reason="redis-server is not installed (apt-get install redis-server)"
-)
+pytestmark = NEEDS_REDIS
 
 
 def group_prompt(g: int, i: int) -> list[int]:

@@ -22,7 +22,7 @@ from kvroute.eval.procs import Server
 from kvroute.fleet.shared.wire import unpack_inserts
 from kvroute.routing.tokenization import default_tokenizer_dir
 from support import (
-    REDIS_SERVER,
+    NEEDS_REDIS,
     RedisServer,
     control,
     metric,
@@ -31,9 +31,7 @@ from support import (
     wait_until,
 )
 
-pytestmark = pytest.mark.skipif(
-    REDIS_SERVER is None, reason="redis-server is not installed (apt-get install redis-server)"
-)
+pytestmark = NEEDS_REDIS
 
 BLOCKS = 16  # tokens per shared digest block
 QUESTION = 64  # tokens of each request's own question in the load test
