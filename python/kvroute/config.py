@@ -168,31 +168,19 @@ class StoreURL:
 
     @property
     def redacted(self) -> str:
-        """The URL with any password replaced (what logs and /status show)."""
+        """The URL with any password replaced (what logs and /status show): the user
+        part's, and ``?password=`` / ``?sentinel_password=`` (redis-py reads the first
+        on any scheme). The hosts stay as written (a sentinel URL lists several)."""
         parts = urlsplit(self.url)
-        if parts.scheme == "redis+sentinel":
-            userinfo, at, hosts = parts.netloc.rpartition("@")
-            user = userinfo.partition(":")[0]
-            params = _query(parts.query)
-            for key in ("password", "sentinel_password"):
-                if key in params:
-                    params[key] = "***"
-            query = "&".join(f"{k}={v}" for k, v in params.items())
-            netloc = f"{user}:***@{hosts}" if at else hosts
-            return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
-        query = parts.query
-        params = _query(query)
-        if "password" in params:  # redis-py takes ?password= too, on any scheme
-            params["password"] = "***"
-            query = "&".join(f"{k}={v}" for k, v in params.items())
-        if parts.password is None and parts.username is None:
-            if query == parts.query:
-                return self.url
-            netloc = parts.netloc
-        else:
-            host = parts.hostname or ""
-            port = f":{parts.port}" if parts.port else ""
-            netloc = f"{parts.username or ''}:***@{host}{port}"
+        params = _query(parts.query)
+        hidden = [k for k in ("password", "sentinel_password") if k in params]
+        userinfo, at, hosts = parts.netloc.rpartition("@")
+        if not hidden and not at:
+            return self.url
+        for key in hidden:
+            params[key] = "***"
+        query = "&".join(f"{k}={v}" for k, v in params.items()) if hidden else parts.query
+        netloc = f"{userinfo.partition(':')[0]}:***@{hosts}" if at else hosts
         return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
 
     def __repr__(self) -> str:
