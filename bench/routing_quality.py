@@ -22,8 +22,10 @@ fleet mean, as ``bench/work_aware.py`` reports them from the simulator.
 Workloads are ``kvroute.sim.workloads``'s: ``gsp`` and ``llmd`` (``--popularity zipf``:
 group popularity Zipf, ``--zipf-s``), ``multiturn`` (its defaults), ``chat`` (the
 simulator's ``chat`` scenario: ``multiturn`` with log-normal lengths, ``--sigma`` 1.8;
-defaults 200 conversations x 6 turns, system 800, user 200, output 200 tokens) and
-``mooncake``. With workload seed 0 a Poisson rate gives the same arrival draw as
+defaults 200 conversations x 6 turns, system 800, user 200, output 200 tokens),
+``rag`` (``--groups`` documents of about ``--doc-len`` tokens behind a shared system
+prompt, ``--groups`` x ``--prompts-per-group`` questions; defaults system 1000, question
+80, output 150 tokens) and ``mooncake``. With workload seed 0 a Poisson rate gives the same arrival draw as
 ``bench/work_aware.py --rate`` (its ``at_rate``), so the simulator runs the same requests.
 A heterogeneous fleet: ``--slow-workers K --slow-worker-args FLAGS`` gives the last K
 workers these sim-worker flags on top of ``--worker-args`` (the simulator's
@@ -56,11 +58,12 @@ from tqdm import tqdm
 from kvroute.eval.quality import installed_peer_specs, kvroute_spec, run_router, start_sim_workers
 from kvroute.sim.fleet import prepare, upper_bound
 from kvroute.sim.report import ResultRow, markdown_table, to_json
-from kvroute.sim.workloads import gsp, llmd, mooncake, multiturn
+from kvroute.sim.workloads import gsp, llmd, mooncake, multiturn, rag
 
 # Per-workload defaults of the length flags (the simulator's scenarios for ``chat``).
 LENGTHS = {
     "chat": {"system_len": 800, "user_len": 200, "output_len": 200},
+    "rag": {"system_len": 1000, "question_len": 80, "output_len": 150, "user_len": 128},
     "default": {"system_len": 2048, "question_len": 128, "output_len": 32, "user_len": 128},
 }
 
@@ -100,6 +103,18 @@ def build(args: argparse.Namespace) -> list:  # type: ignore[type-arg]
             args.output_len,
             popularity=args.popularity,
             zipf_s=args.zipf_s,
+            seed=args.seed,
+            arrivals=arrivals,
+            rate=args.rate,
+        )
+    if args.workload == "rag":
+        return rag(
+            args.groups,
+            args.groups * args.prompts_per_group,
+            args.system_len,
+            args.doc_len,
+            args.question_len,
+            args.output_len,
             seed=args.seed,
             arrivals=arrivals,
             rate=args.rate,
@@ -155,14 +170,17 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument(
-        "--workload", choices=("gsp", "llmd", "multiturn", "chat", "mooncake"), default="gsp"
+        "--workload",
+        choices=("gsp", "llmd", "multiturn", "chat", "mooncake", "rag"),
+        default="gsp",
     )
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--groups", type=int, default=16)
+    ap.add_argument("--groups", type=int, default=16, help="gsp/llmd: groups; rag: documents")
     ap.add_argument("--prompts-per-group", type=int, default=8)
     ap.add_argument("--system-len", type=int, default=None, help="2048 (chat: 800)")
     ap.add_argument("--question-len", type=int, default=None, help="128")
     ap.add_argument("--output-len", type=int, default=None, help="32 (chat: 200)")
+    ap.add_argument("--doc-len", type=int, default=3000, help="rag: mean document length")
     ap.add_argument("--conversations", type=int, default=200, help="chat: conversations")
     ap.add_argument("--turns", type=int, default=6, help="chat: turns per conversation")
     ap.add_argument("--user-len", type=int, default=None, help="chat: user message median (200)")
@@ -235,7 +253,7 @@ def main() -> int:
     args = ap.parse_args()
     if not 0 <= args.slow_workers <= args.workers:
         ap.error("--slow-workers must be within [0, --workers]")
-    for k, v in LENGTHS["chat" if args.workload == "chat" else "default"].items():
+    for k, v in LENGTHS.get(args.workload, LENGTHS["default"]).items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
 

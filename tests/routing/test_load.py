@@ -70,6 +70,65 @@ def test_a_full_worker_adds_the_wait_for_a_slot() -> None:
     assert m.slot_wait("v") > 0
 
 
+def test_choices_stretch_a_worker_s_times_by_its_occupied_decode_slots() -> None:
+    """1 / (1 - n / capacity): 1 while no capacity is known, growing as slots fill
+    (others' requests count), the capacity itself once full (the slot wait prices the
+    rest). The prediction itself (``ttft``) is not stretched: only the price a choice
+    compares."""
+    m = LoadModel()
+    for _ in range(3):
+        m.reserve("w", 10, 100, now=0.0)
+    assert m.stretch("w") == 1.0  # no capacity known: nothing to be occupied
+    assert m.stretch("unknown") == 1.0
+    m.fixed_capacity = 4
+    assert m.stretch("w") == pytest.approx(4.0)  # 3 of 4 slots taken
+    m.reserve("v", 10, 100, now=0.0)
+    assert m.stretch("v") == pytest.approx(4 / 3)
+    m.others = {"v": 1}  # one the engine holds beyond ours
+    assert m.stretch("v") == pytest.approx(2.0)
+    for _ in range(5):
+        m.reserve("w", 10, 100, now=0.0)
+    assert m.stretch("w") == 4.0  # full: capped, the slot wait grows instead
+    pred = m.predict(["w", "v"], 500, {})
+    assert pred.ttft["w"] == m.ttft("w", 500)
+    assert pred.price["w"] == pred.ttft["w"] * 4.0
+
+
+def test_cold_work_goes_to_free_slots_and_hits_stay_home() -> None:
+    """A fast worker with 3 of its 4 decode slots taken against an idle worker half as
+    fast: the request-blind prediction sends a cold 3,000-token prompt to the fast one
+    (0.2 s against 0.4 s of prefill), where the later requests of its prefix, which
+    follow it, find the slots taken. Priced by occupancy it goes to the idle worker
+    (0.8 against 0.4); a hit on the fast worker (a few ms there) still stays."""
+    from kvroute._native import PrefixIndex
+    from kvroute.routing.policies.base import RouteRequest
+    from kvroute.routing.policies.cache_aware import CacheAware
+
+    policy = CacheAware(PrefixIndex(None), worker_capacity=4)
+    work = policy.work
+    assert work is not None
+    work.know("fast", 0.005, 15_000.0)
+    work.know("slow", 0.005, 7_500.0)
+    busy = list(range(1_000_000, 1_004_000))
+    policy.index.insert("fast", busy)
+    for _ in range(3):
+        work.reserve("fast", 100, 200, now=0.0).first_byte(0.1)
+    loads = {"fast": 3, "slow": 0}
+    cold = RouteRequest(tokens=list(range(3000)))
+    assert policy.select(cold, loads).worker == "slow"
+    hit = RouteRequest(tokens=[*busy, 7, 8, 9])
+    decision = policy.select(hit, loads)
+    assert (decision.worker, decision.reason) == ("fast", "cache_hit")
+    # Without the occupancy (capacity unknown) the cold prompt goes to the fast one.
+    blind = CacheAware(PrefixIndex(None))
+    assert blind.work is not None
+    blind.work.know("fast", 0.005, 15_000.0)
+    blind.work.know("slow", 0.005, 7_500.0)
+    for _ in range(3):
+        blind.work.reserve("fast", 100, 200, now=0.0).first_byte(0.1)
+    assert blind.select(cold, loads).worker == "fast"
+
+
 def test_engine_readings_add_others_waiting_work_and_a_full_kv_cache() -> None:
     m = LoadModel()
     for _ in range(4):
@@ -363,6 +422,8 @@ def test_predictions_per_decision_are_the_per_worker_calls_exactly(
         held = matches.get(w, 0)
         assert pred.ttft[w] == m.ttft(w, tokens - held, held)
         assert pred.own[w] == m.own_prefill(w, tokens - held, held)
+        assert pred.stretch[w] == m.stretch(w)
+        assert pred.price[w] == pred.ttft[w] * m.stretch(w)
         assert pred.cost(w, behind) == m.cost(w, tokens, held, behind)
     for s in m.workers.values():
         assert s.prefill.samples == sum(len(b) for b in s.prefill._by_size.values())

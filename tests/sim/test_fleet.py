@@ -132,6 +132,12 @@ def test_simulate_cli(capsys: pytest.CaptureFixture[str]) -> None:
     doc = json.loads(capsys.readouterr().out)
     assert [r["name"] for r in doc["rows"]] == ["cache_aware", "round_robin"]
     assert main(["simulate", "--policies", "nope"]) == 2
+    rag = ["simulate", "--workload", "rag", "--groups", "20", "--prompts-per-group", "3"]
+    rag += ["--doc-len", "400", "--system-len", "200", "--workers", "3", "--json"]
+    assert main(rag) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["workload"] == "rag" and doc["rows"][0]["requests"] == 60
+    assert doc["upper_bound"] > 0.3  # the shared system prompt at least
 
 
 def test_analyze_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

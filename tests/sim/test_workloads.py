@@ -83,6 +83,27 @@ def test_llmd_shape() -> None:
     assert len(reqs) == 6 and len(reqs[0].tokens) == 7200 and reqs[0].output_len == 1000
 
 
+def test_rag_shares_the_system_prompt_everywhere_and_documents_by_popularity() -> None:
+    reqs = wl.rag(documents=50, requests=400, system_len=100, doc_len=300, question_len=10)
+    assert len(reqs) == 400
+    system = reqs[0].tokens[:100]
+    by_doc: dict[int, list[wl.Request]] = {}
+    for r in reqs:
+        assert np.array_equal(r.tokens[:100], system)
+        assert 100 + 150 + 10 <= len(r.tokens) <= 100 + 450 + 10
+        by_doc.setdefault(r.group, []).append(r)
+    for group in by_doc.values():  # one document per group, its own question each
+        doc = group[0].tokens[100:-10]
+        assert all(np.array_equal(r.tokens[100:-10], doc) for r in group)
+        assert len({r.tokens[-10:].tobytes() for r in group}) == len(group)
+    counts = sorted((len(g) for g in by_doc.values()), reverse=True)
+    assert counts[0] >= 5 * counts[len(counts) // 2]  # Zipf: a few hot documents
+    assert same(wl.rag(seed=3, requests=50), wl.rag(seed=3, requests=50))
+    assert len(wl.build("rag", documents=5, requests=7)) == 7
+    with pytest.raises(ValueError):
+        wl.rag(documents=0)
+
+
 def test_multiturn_extends_previous_turn() -> None:
     reqs = wl.multiturn(conversations=3, turns=4, system_len=32, user_len=8, output_len=5, seed=1)
     assert len(reqs) == 12

@@ -103,8 +103,21 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     add_fleet_args(p)
     g = p.add_argument_group("workload shape")
-    g.add_argument("--groups", type=int, default=None, help="gsp/llmd: prefix groups")
-    g.add_argument("--prompts-per-group", type=int, default=None)
+    g.add_argument(
+        "--groups", type=int, default=None, help="gsp/llmd: prefix groups; rag: documents"
+    )
+    g.add_argument(
+        "--prompts-per-group",
+        type=int,
+        default=None,
+        help="gsp/llmd; rag: requests per document on average",
+    )
+    g.add_argument(
+        "--doc-len",
+        type=int,
+        default=None,
+        help="rag: mean document length in tokens (uniform over half to 1.5 times it)",
+    )
     g.add_argument("--system-len", type=int, default=None)
     g.add_argument("--question-len", type=int, default=None)
     g.add_argument("--output-len", type=int, default=None)
@@ -183,6 +196,13 @@ def build_workload(args: argparse.Namespace) -> list[Any]:
             if getattr(args, name) is not None:
                 kw[name] = getattr(args, name)
         kw["popularity"] = args.popularity
+    elif args.workload == "rag":
+        for name in ("system_len", "question_len", "output_len", "doc_len"):
+            if getattr(args, name) is not None:
+                kw[name] = getattr(args, name)
+        if args.groups is not None:
+            kw["documents"] = args.groups
+        kw["requests"] = kw.get("documents", 200) * (args.prompts_per_group or 6)
     elif args.workload == "multiturn":
         for name in ("conversations", "turns", "system_len", "output_len", "sigma"):
             if getattr(args, name) is not None:

@@ -258,6 +258,7 @@ def simulate(
     queues: list[deque[int]] = [deque() for _ in range(nw)]
     prefill_free = [0.0] * nw
     per_worker = [0] * nw
+    slotq = [0] * nw
 
     reqs = prep.requests
     keys = prep.keys
@@ -397,6 +398,7 @@ def simulate(
         if running[w] < costs[w].max_batch:
             admit(w, r, now)
         else:
+            slotq[w] += 1
             queues[w].append(r)
             if learner is not None and not cfg.learn_at_polls:
                 learner.observe(names[w], running[w], len(queues[w]))
@@ -409,6 +411,7 @@ def simulate(
         "router_replicas": cfg.router_replicas,
         "bypassed": nreq - routed,
         "restarts": restarts,
+        "slot_queued": slotq,
         "decisions": dict(tier.reasons),
         **work_report(ttft, own_prefill, busy, predicted),
         "prefill_tokens_per_s_learned": [round(tier.work[0].prefill_rate(x), 1) for x in names],

@@ -24,6 +24,14 @@ independently drawn segments never share a block by accident.
   ``timestamp / 1000 / time_scale``.
 * ``llmd``: llm-d's long-shared-prefix, high-cache-pressure case: ``gsp`` with 150 groups
   x 5 prompts, 6,000-token system prompts, 1,200-token questions, 1,000 output tokens.
+* ``rag``: retrieval-augmented questions, two levels of sharing: every prompt is one
+  system prompt of ``system_len`` tokens shared by all, then one of ``documents``
+  documents (lengths uniform in [``doc_len`` / 2, 3 ``doc_len`` / 2]; which one drawn
+  from a Zipf law of exponent ``zipf_s``, so a few documents are hot and many are read
+  once), then a unique question of ``question_len`` tokens. ``requests`` in all. Every
+  worker soon holds the system prompt, so a new document's request matches a few
+  hundred tokens everywhere (a match ratio near SGLang's 0.3 threshold) and its
+  document only where it was read before.
 
 Arrival processes (``arrivals``): ``"burst"`` (everything at t=0), ``"poisson"`` at
 ``rate`` requests/s (exponential gaps, order kept), or ``"trace"`` (keep the timestamps).
@@ -41,7 +49,7 @@ import numpy.typing as npt
 
 VOCAB = 150_000
 MOONCAKE_BLOCK = 512
-WORKLOADS = ("gsp", "multiturn", "mooncake", "llmd")
+WORKLOADS = ("gsp", "multiturn", "mooncake", "llmd", "rag")
 
 Tokens = npt.NDArray[np.uint32]
 
@@ -124,6 +132,35 @@ def llmd(
 ) -> list[Request]:
     """llm-d's long shared prefix, high cache pressure workload (``gsp`` shape)."""
     return gsp(groups, prompts_per_group, system_len, question_len, output_len, **kw)  # type: ignore[arg-type]
+
+
+def rag(
+    documents: int = 200,
+    requests: int = 1200,
+    system_len: int = 1000,
+    doc_len: int = 3000,
+    question_len: int = 80,
+    output_len: int = 150,
+    *,
+    zipf_s: float = 0.9,
+    seed: int = 0,
+    arrivals: str = "burst",
+    rate: float = 0.0,
+) -> list[Request]:
+    """Retrieval-augmented questions over a shared system prompt (module docstring)."""
+    if documents < 1 or requests < 0 or doc_len < 2:
+        raise ValueError("documents must be >= 1, requests >= 0 and doc_len >= 2")
+    rng = np.random.default_rng([seed, 4])
+    system = _draw(rng, system_len)
+    lens = rng.integers(doc_len // 2, doc_len * 3 // 2 + 1, documents)
+    docs = [_draw(rng, int(n)) for n in lens.tolist()]
+    weights = 1.0 / np.arange(1, documents + 1, dtype=np.float64) ** zipf_s
+    picks = rng.choice(documents, size=requests, p=weights / weights.sum())
+    out = [
+        Request(0.0, np.concatenate((system, docs[d], _draw(rng, question_len))), output_len, d)
+        for d in picks.tolist()
+    ]
+    return with_arrivals(out, arrivals, rate, seed)
 
 
 def multiturn(
@@ -252,4 +289,6 @@ def build(name: str, **kw: object) -> list[Request]:
         return multiturn(**kw)  # type: ignore[arg-type]
     if name == "mooncake":
         return mooncake(**kw)  # type: ignore[arg-type]
+    if name == "rag":
+        return rag(**kw)  # type: ignore[arg-type]
     raise ValueError(f"unknown workload {name!r}; choose one of: {', '.join(WORKLOADS)}")

@@ -222,18 +222,28 @@ def _own(st: WorkerWork, intercept: float, slope: float, uncached: int, matched:
 
 
 class Predictions:
-    """One request's predicted time to first token (``ttft``) and own prefill seconds
-    (``own``) per worker, as ``LoadModel.predict`` computed them for one decision."""
+    """One request's predicted time to first token (``ttft``), own prefill seconds
+    (``own``) and occupancy stretch (``stretch``, ``LoadModel.stretch``) per worker, as
+    ``LoadModel.predict`` computed them for one decision; ``price``: the time a choice
+    compares, ``ttft`` times ``stretch``."""
 
-    __slots__ = ("own", "ttft")
+    __slots__ = ("own", "price", "stretch", "ttft")
 
-    def __init__(self, ttft: dict[str, float], own: dict[str, float]) -> None:
+    def __init__(
+        self,
+        ttft: dict[str, float],
+        own: dict[str, float],
+        stretch: dict[str, float],
+        price: dict[str, float],
+    ) -> None:
         self.ttft = ttft
         self.own = own
+        self.stretch = stretch
+        self.price = price
 
     def cost(self, worker: str, behind: float) -> float:
         """``LoadModel.cost`` of the request on ``worker``."""
-        return self.ttft[worker] + behind * self.own[worker]
+        return (self.ttft[worker] + behind * self.own[worker]) * self.stretch[worker]
 
 
 class LoadModel:
@@ -438,14 +448,28 @@ class LoadModel:
         return self._slot_wait(worker, st)
 
     def _slot_wait(self, worker: str, st: WorkerWork, typical: int | None = -1) -> float:
+        return self._slots(worker, st, typical)[0]
+
+    def _slots(self, worker: str, st: WorkerWork, typical: int | None = -1) -> tuple[float, float]:
+        """(slot wait, occupancy stretch) of ``worker`` (module doc)."""
         cap = self._capacity(worker, st, typical)
         if cap is None or cap < 1:
-            return 0.0
+            return 0.0, 1.0
         n = st.requests + self.others.get(worker, 0) + self.peer.get(worker, 0)
         if n < cap:
-            return 0.0
+            return 0.0, cap / (cap - n)
         mean_out = st.decode_tokens / st.requests if st.requests else self.mean_output
-        return (n - cap + 1) / (cap + 1) * mean_out * st.decode_s.value
+        return (n - cap + 1) / (cap + 1) * mean_out * st.decode_s.value, float(cap)
+
+    def stretch(self, worker: str) -> float:
+        """How much a choice stretches ``worker``'s predicted times for its occupied
+        decode slots: 1 / (1 - n / capacity), n (requests in flight, ours + others)
+        counted up to one short of its capacity, so from 1 (idle, or capacity unknown)
+        to the capacity (full: the slot wait then prices the queue). Module doc."""
+        st = self.workers.get(worker)
+        if st is None:
+            return 1.0
+        return self._slots(worker, st)[1]
 
     def wait(self, worker: str) -> float:
         """Predicted seconds before a request routed now starts its own prefill."""
@@ -476,21 +500,25 @@ class LoadModel:
         """What routing a ``tokens``-long request to ``worker`` (which holds ``matched``
         of them) costs the fleet, in seconds: its own predicted TTFT there plus the delay
         its prefill adds to the ``behind`` requests expected to queue after it (FIFO:
-        each waits its prefill longer). ``behind``: ``queued_per_worker``."""
+        each waits its prefill longer), stretched for the worker's occupied decode slots
+        (``stretch``). ``behind``: ``queued_per_worker``."""
         uncached = tokens - matched
-        return self.ttft(worker, uncached, matched) + behind * self.own_prefill(
-            worker, uncached, matched
-        )
+        return (
+            self.ttft(worker, uncached, matched)
+            + behind * self.own_prefill(worker, uncached, matched)
+        ) * self.stretch(worker)
 
     def predict(
         self, workers: Iterable[str], tokens: int, matches: Mapping[str, int]
     ) -> Predictions:
-        """One request's ``ttft`` and ``own_prefill`` on each of ``workers`` (its
-        ``tokens`` of which ``matches`` says each worker holds how many), computed once
-        per decision: the same numbers as calling ``ttft``, ``own_prefill`` and
-        ``cost`` worker by worker."""
+        """One request's ``ttft``, ``own_prefill`` and ``stretch`` on each of
+        ``workers`` (its ``tokens`` of which ``matches`` says each worker holds how
+        many), computed once per decision: the same numbers as calling ``ttft``,
+        ``own_prefill``, ``stretch`` and ``cost`` worker by worker."""
         ttft: dict[str, float] = {}
         own: dict[str, float] = {}
+        stretch: dict[str, float] = {}
+        price: dict[str, float] = {}
         known = self.workers
         fleet = self.fleet_line
         # No capacity known for any worker (none fixed, learned or read): no slot wait.
@@ -501,7 +529,10 @@ class LoadModel:
             uncached = tokens - matched
             st = known.get(w)
             if st is None:
-                ttft[w] = own[w] = PRIOR_OVERHEAD_S + max(0, uncached) / PRIOR_PREFILL_TPS
+                ttft[w] = own[w] = price[w] = (
+                    PRIOR_OVERHEAD_S + max(0, uncached) / PRIOR_PREFILL_TPS
+                )
+                stretch[w] = 1.0
                 continue
             # ``line`` and ``_own`` inlined: this runs for every worker at every decision.
             p = st.prefill
@@ -516,9 +547,14 @@ class LoadModel:
             if uncached < 0:
                 uncached = 0
             o = own[w] = intercept + (uncached + (1.0 - st.trust) * max(0, matched)) * slope
-            slot = 0.0 if no_caps and st.engine is None else self._slot_wait(w, st, typical)
-            ttft[w] = self._ahead(w, st, intercept, slope, uncached) + o + slot
-        return Predictions(ttft, own)
+            if no_caps and st.engine is None:
+                slot, x = 0.0, 1.0
+            else:
+                slot, x = self._slots(w, st, typical)
+            t = ttft[w] = self._ahead(w, st, intercept, slope, uncached) + o + slot
+            stretch[w] = x
+            price[w] = t * x
+        return Predictions(ttft, own, stretch, price)
 
     def queued_per_worker(self, workers: Iterable[str]) -> float:
         """Mean number of requests waiting for their first byte per worker of ``workers``

@@ -43,15 +43,18 @@ first token for this request (``kvroute.routing.load``: queued prefill tokens an
 request's uncached tokens there over the worker's learned prefill rate, plus the wait
 for a slot), so a worker with one 100k-token prompt queued is no longer "as loaded" as
 one with a 200-token prompt, and a slow worker is seen as slow; equal predictions go to
-the fewer requests in flight, then rotate. The saturation guard fires on the same count
-test, and then moves the request only to a worker predicted to answer sooner than the
-full holder. It also fires on work, full or not: when sending the request to the cache
-holder costs more than sending it to the cheapest worker (``LoadModel.cost``: predicted
-TTFT plus the delay its own prefill adds to the requests that will queue behind it, the
-cost ``min_ttft`` minimises), it goes there (``overflow``). The match threshold alone
-follows a holder whatever is queued on it; where prompts are huge and caches small (the
-index still believes in evicted prefixes) that piled "hits" that were really cold
-prefills onto one worker, and the request-count rule, blind to sizes, did better at p99.
+the fewer requests in flight, then rotate. Every comparison uses the prediction's
+*price*: stretched by 1 / (1 - occupied decode slots / capacity), since the later
+requests of a prefix follow it to its worker (``kvroute.routing.load``). The saturation
+guard fires on the same count test, and then moves the request only to a worker
+predicted to answer sooner than the full holder. It also fires on work, full or not:
+when sending the request to the cache holder costs more than sending it to the cheapest
+worker (``LoadModel.cost``: predicted TTFT plus the delay its own prefill adds to the
+requests that will queue behind it, the cost ``min_ttft`` minimises), it goes there
+(``overflow``). The match threshold alone follows a holder whatever is queued on it;
+where prompts are huge and caches small (the index still believes in evicted prefixes)
+that piled "hits" that were really cold prefills onto one worker, and the request-count
+rule, blind to sizes, did better at p99.
 
 Corrections to SGLang's version: min/max over healthy workers only; ties between
 equally good workers go to the least loaded and then rotate (no "first worker wins",
@@ -226,19 +229,19 @@ class CacheAware(Policy):
         self, loads: Mapping[str, int], among: Sequence[str] | None, pred: Predictions | None
     ) -> str:
         """Least loaded: by request count (``requests``) or by this request's predicted
-        TTFT (``work``); exact ties rotate."""
+        TTFT priced by occupancy (``work``: ``Predictions.price``); exact ties rotate."""
         if pred is None:
             return self._ties.least_loaded(loads, among)
         if among is None:
-            return self._ties.least_by(pred.ttft, loads)
-        ttft = pred.ttft
-        return self._ties.least_by({w: ttft[w] for w in among if w in loads}, loads)
+            return self._ties.least_by(pred.price, loads)
+        price = pred.price
+        return self._ties.least_by({w: price[w] for w in among if w in loads}, loads)
 
     def _sooner(self, alt: str, holder: str, pred: Predictions | None) -> bool:
         """Guard: does moving off the full ``holder`` to ``alt`` pay? (always, on counts)"""
         if pred is None:
             return True
-        return pred.ttft[alt] < pred.ttft[holder]
+        return pred.price[alt] < pred.price[holder]
 
     def _cheaper(
         self, holder: str, loads: Mapping[str, int], pred: Predictions | None

@@ -20,7 +20,9 @@ wins while the holder's queue is short; once the queue ahead of it costs more th
 prefill its cache saves (counted ``1 + L`` times), a faster or idler worker wins and
 starts to hold the prefix too. Nothing compares request
 counts: a 100,000-token prompt weighs what it costs, and a slower worker (learned rate)
-gets proportionally less work.
+gets proportionally less work. The cost is stretched by ``1 / (1 - n / capacity)`` for
+the ``n`` decode slots taken on ``w`` (``LoadModel.stretch``): the later requests of a
+prefix follow it, so cold work goes where slots are free and hits stay home.
 
 Ties (predictions within 1 ms or 2% of the best: the model is not more precise than
 that): the longer match, when it saves more than that window of prefill time (a
