@@ -25,8 +25,9 @@ simulator's ``chat`` scenario: ``multiturn`` with log-normal lengths, ``--sigma`
 defaults 200 conversations x 6 turns, system 800, user 200, output 200 tokens),
 ``rag`` (``--groups`` documents of about ``--doc-len`` tokens behind a shared system
 prompt, ``--groups`` x ``--prompts-per-group`` questions; defaults system 1000, question
-80, output 150 tokens) and ``mooncake``. With workload seed 0 a Poisson rate gives the same arrival draw as
-``bench/work_aware.py --rate`` (its ``at_rate``), so the simulator runs the same requests.
+80, output 150 tokens) and ``mooncake``. With workload seed 0 a Poisson rate gives the
+same arrival draw as ``bench/work_aware.py --rate`` (its ``at_rate``), so the simulator
+runs the same requests.
 A heterogeneous fleet: ``--slow-workers K --slow-worker-args FLAGS`` gives the last K
 workers these sim-worker flags on top of ``--worker-args`` (the simulator's
 ``heterogeneous`` also slows the last ones).

@@ -12,7 +12,10 @@ baseline, then ``min_ttft``, ``cache_aware (work)`` (the default) and round-robi
 hit-rate difference, ratio of the mean TTFT p50 / p90 / p99 over the runs, and the
 runs worse / better than the rule by more than 5%. ``--unpriced``: also both work
 policies with decode-slot occupancy left out of their choices' price (``LoadModel.stretch``
-fixed at 1: kvroute before it), on the same runs.
+fixed at 1: kvroute before it), on the same runs. ``--per-worker``: then, for the first
+workload seed and arrival draw at the last load, each policy's requests per worker and
+how many of them waited for a decode slot (the simulator's ``per_worker`` and
+``slot_queued``).
 
 Shapes:
 
@@ -138,6 +141,12 @@ def main() -> int:
     ap.add_argument("--max-steps", type=int, default=8)
     ap.add_argument("--bisect", type=int, default=4)
     ap.add_argument("--unpriced", action="store_true", help="also without occupancy (doc)")
+    ap.add_argument("--per-worker", action="store_true", help="requests per worker (doc)")
+    ap.add_argument(
+        "--learn-at-polls",
+        action="store_true",
+        help="capacities learned only at the router's engine polls, as serve learns them",
+    )
     a = ap.parse_args()
     chosen = set(a.only.split(",")) if a.only else None
     policies = [(label, pol, st, False) for label, pol, st in POLICIES]
@@ -151,6 +160,8 @@ def main() -> int:
     for name, (build, cfg, arrive) in shapes().items():
         if chosen is not None and name not in chosen:
             continue
+        if a.learn_at_polls:
+            cfg = replace(cfg, learn_at_polls=True)
         preps = [prepare(build(s), cfg.block_size) for s in range(a.workload_seeds)]
         p0 = preps[0]
         tps = sum(c.prefill_tokens_per_s for c in cfg.costs())
@@ -198,6 +209,15 @@ def main() -> int:
                 print(
                     f"| | {label} | {hit * 100:+.1f} points | {mean[0]:.2f} / {mean[1]:.2f} / "
                     f"{mean[2]:.2f} | {counts} |",
+                    flush=True,
+                )
+        if a.per_worker:
+            print(f"\nPer worker, workload seed 0, draw 1, {rate:.1f} req/s:\n")
+            for label in labels:
+                r = rows[label][0]
+                print(
+                    f"* {label}: requests {r.extra['per_worker']}, waited for a decode slot "
+                    f"{r.extra['slot_queued']}",
                     flush=True,
                 )
     return 0

@@ -188,6 +188,7 @@ OTHER_PROGRAMS = {
     "--unix-socket",  # bench/shared_state_http_cpu.py
     "--transports",  # bench/shared_state_overhead.py
     "--instructions",  # bench/router_overhead.py
+    "--unpriced",  # bench/work_aware_shapes.py
 }
 
 

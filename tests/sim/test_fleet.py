@@ -83,6 +83,9 @@ def test_local_policy_and_queueing() -> None:
     assert row.ttft_p50 > 0.1
     assert row.extra["final_inflight"] == 0
     assert row.hit_rate == pytest.approx(3 * 992 / 4000)
+    # All four on the first worker, two of them waited for one of its 2 slots.
+    assert row.extra["per_worker"] == [4, 0, 0]
+    assert row.extra["slot_queued"] == [2, 0, 0]
 
 
 def test_capacity_pressure_lowers_hits() -> None:

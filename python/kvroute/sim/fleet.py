@@ -412,6 +412,7 @@ def simulate(
         "bypassed": nreq - routed,
         "restarts": restarts,
         "slot_queued": slotq,
+        "per_worker": list(per_worker),
         "decisions": dict(tier.reasons),
         **work_report(ttft, own_prefill, busy, predicted),
         "prefill_tokens_per_s_learned": [round(tier.work[0].prefill_rate(x), 1) for x in names],

@@ -96,7 +96,7 @@ the cache. The prediction prices only this request, which still finds a free slo
 priced alone, a heterogeneous fleet's new prefixes all went to its fast-prefilling
 workers, whose decode slots then filled with the prefixes' later requests while the
 slow workers had slots free, and the median request waited for a slot (retrieval
-questions on 2 of 8 workers at half speed: 3.7x SGLang's rule's median). Stretched as a
+questions on 2 of 8 workers at half speed: up to 3.7x SGLang's rule's median). Stretched as a
 queue's response time is at utilisation n / capacity, cold work (long predicted times)
 goes where slots are free and a hit (a few ms) stays on its busy holder. The predicted
 TTFT itself (``ttft``, what is checked against first bytes) is not stretched.
