@@ -94,12 +94,12 @@ for the worker's occupied decode slots, ``ttft * stretch(w)`` with ::
 A request routed to a worker brings the later requests of its prefix there: they follow
 the cache. The prediction prices only this request, which still finds a free slot;
 priced alone, a heterogeneous fleet's new prefixes all went to its fast-prefilling
-workers, whose decode slots then filled with the prefixes' later requests while the
-slow workers had slots free, and the median request waited for a slot (retrieval
-questions on 2 of 8 workers at half speed: up to 3.7x SGLang's rule's median). Stretched as a
-queue's response time is at utilisation n / capacity, cold work (long predicted times)
-goes where slots are free and a hit (a few ms) stays on its busy holder. The predicted
-TTFT itself (``ttft``, what is checked against first bytes) is not stretched.
+workers, whose decode slots then filled with the prefixes' later requests while the slow
+workers had slots free, and the median request waited for a slot (retrieval questions on
+2 of 8 workers at half speed: up to 3.7x SGLang's rule's median). Stretched as a queue's
+response time is at utilisation n / capacity, cold work (long predicted times) goes
+where slots are free and a hit (a few ms) stays on its busy holder. The predicted TTFT
+itself (``ttft``, what is checked against first bytes) is not stretched.
 
 Prefill engines run one prompt at a time in arrival order (vLLM and SGLang schedule
 waiting prompts FIFO), so work ahead adds up; decode running beside prefill slows it,
