@@ -69,3 +69,6 @@ def test_min_ttft_serves_learns_the_slow_worker_and_releases_its_work(
     assert 'kvroute_routing_decisions_total{policy="min_ttft"' in metrics
     assert "kvroute_ttft_prediction_ratio_count 14.0" in metrics
     assert "kvroute_worker_prefill_tokens_per_s" in metrics
+    # Idle at the end: nothing in flight, so no worker's times are stretched.
+    assert all(w["work"]["occupancy_stretch"] == 1.0 for w in workers.values())
+    assert f'kvroute_worker_occupancy_stretch{{worker="{fast.url}"}} 1.0' in metrics

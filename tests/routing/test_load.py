@@ -92,6 +92,7 @@ def test_choices_stretch_a_worker_s_times_by_its_occupied_decode_slots() -> None
     pred = m.predict(["w", "v"], 500, {})
     assert pred.ttft["w"] == m.ttft("w", 500)
     assert pred.price["w"] == pred.ttft["w"] * 4.0
+    assert m.snapshot("v")["occupancy_stretch"] == 2.0  # shown in /workers and /metrics
 
 
 def test_cold_work_goes_to_free_slots_and_hits_stay_home() -> None:

@@ -87,6 +87,12 @@ class _FleetCollector(Collector):
                     "Predicted wait before a request routed now starts "
                     "its own prefill: queued prefill and the wait for a slot",
                 ),
+                (
+                    "occupancy_stretch",
+                    "How much routing choices stretch a worker's predicted times for its "
+                    "occupied decode slots: 1 / (1 - in flight / capacity), 1 while its "
+                    "capacity is unknown",
+                ),
                 ("prefill_tokens_per_s", "Learned prefill speed (prior until observed)"),
                 (
                     "prefill_overhead_ms",

@@ -579,6 +579,7 @@ class LoadModel:
             "requests": st.requests,
             "decode_tokens": st.decode_tokens,
             "predicted_wait_s": round(self.wait(worker), 6),
+            "occupancy_stretch": round(self.stretch(worker), 4),
             "prefill_tokens_per_s": round(1 / slope, 1),
             "prefill_overhead_ms": round(intercept * 1000, 3),
             "prefill_samples": st.prefill.samples,
