@@ -64,7 +64,7 @@ from kvroute.sim.workloads import gsp, llmd, mooncake, multiturn, rag
 # Per-workload defaults of the length flags (the simulator's scenarios for ``chat``).
 LENGTHS = {
     "chat": {"system_len": 800, "user_len": 200, "output_len": 200},
-    "rag": {"system_len": 1000, "question_len": 80, "output_len": 150, "user_len": 128},
+    "rag": {"system_len": 1000, "question_len": 80, "output_len": 150},
     "default": {"system_len": 2048, "question_len": 128, "output_len": 32, "user_len": 128},
 }
 

@@ -74,16 +74,15 @@ def agent(seed: int) -> list[wl.Request]:
 
 def mixed(seed: int, n: int = 1200) -> list[wl.Request]:
     rng = np.random.default_rng([seed, 12])
-    systems = [rng.integers(0, wl.VOCAB, 6000, dtype=np.uint32) for _ in range(12)]
+    systems = [wl._draw(rng, 6000) for _ in range(12)]
     out = []
     for _ in range(n):
         if rng.random() < 0.7:
-            prompt = rng.integers(0, wl.VOCAB, int(rng.integers(200, 701)), dtype=np.uint32)
-            out.append(wl.Request(0.0, prompt, 100, -1))
+            out.append(wl.Request(0.0, wl._draw(rng, int(rng.integers(200, 701))), 100, -1))
         else:
             g = int(rng.integers(12))
-            question = rng.integers(0, wl.VOCAB, 200, dtype=np.uint32)
-            out.append(wl.Request(0.0, np.concatenate((systems[g], question)), 300, g))
+            prompt = np.concatenate((systems[g], wl._draw(rng, 200)))
+            out.append(wl.Request(0.0, prompt, 300, g))
     return out
 
 

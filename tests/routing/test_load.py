@@ -105,15 +105,19 @@ def test_cold_work_goes_to_free_slots_and_hits_stay_home() -> None:
     from kvroute.routing.policies.base import RouteRequest
     from kvroute.routing.policies.cache_aware import CacheAware
 
-    policy = CacheAware(PrefixIndex(None), worker_capacity=4)
-    work = policy.work
-    assert work is not None
-    work.know("fast", 0.005, 15_000.0)
-    work.know("slow", 0.005, 7_500.0)
+    def fleet(capacity: int | None) -> CacheAware:
+        """Fast and slow lines known, 3 requests in flight on the fast worker."""
+        policy = CacheAware(PrefixIndex(None), worker_capacity=capacity)
+        assert policy.work is not None
+        policy.work.know("fast", 0.005, 15_000.0)
+        policy.work.know("slow", 0.005, 7_500.0)
+        for _ in range(3):
+            policy.work.reserve("fast", 100, 200, now=0.0).first_byte(0.1)
+        return policy
+
+    policy = fleet(4)
     busy = list(range(1_000_000, 1_004_000))
     policy.index.insert("fast", busy)
-    for _ in range(3):
-        work.reserve("fast", 100, 200, now=0.0).first_byte(0.1)
     loads = {"fast": 3, "slow": 0}
     cold = RouteRequest(tokens=list(range(3000)))
     assert policy.select(cold, loads).worker == "slow"
@@ -121,12 +125,7 @@ def test_cold_work_goes_to_free_slots_and_hits_stay_home() -> None:
     decision = policy.select(hit, loads)
     assert (decision.worker, decision.reason) == ("fast", "cache_hit")
     # Without the occupancy (capacity unknown) the cold prompt goes to the fast one.
-    blind = CacheAware(PrefixIndex(None))
-    assert blind.work is not None
-    blind.work.know("fast", 0.005, 15_000.0)
-    blind.work.know("slow", 0.005, 7_500.0)
-    for _ in range(3):
-        blind.work.reserve("fast", 100, 200, now=0.0).first_byte(0.1)
+    blind = fleet(None)
     assert blind.select(cold, loads).worker == "fast"
 
 
