@@ -42,14 +42,20 @@ def test_parse_engine_load() -> None:
 
 def test_learner_needs_queueing_and_keeps_the_largest() -> None:
     learner = CapacityLearner()
-    learner.observe("a", 7, 0)  # not queueing: says nothing about capacity
-    assert learner.capacities == {}
+    learner.observe("a", 7, 0)  # not queueing: only a floor (it runs at least 7)
+    assert learner.capacities == {} and learner.floors == {"a": 7}
     learner.observe("a", 4, 2)
     learner.observe("a", 3, 5)  # a momentary lower limit does not shrink it
     learner.observe("a", 6, 1)
     assert learner.capacities == {"a": 6}
+    learner.observe("a", 5, 0)
+    assert learner.capacities == {"a": 6} and learner.floors == {"a": 7}
+    learner.observe("a", 9, 0)  # runs more than learned with nothing waiting: it can
+    assert learner.capacities == {"a": 9} and learner.floors == {"a": 9}
+    learner.observe("b", 0, 3)  # an engine running nothing teaches nothing
+    assert "b" not in learner.capacities and "b" not in learner.floors
     learner.forget("a")
-    assert learner.capacities == {}
+    assert learner.capacities == {} and learner.floors == {}
 
 
 def test_parse_worker_capacity() -> None:
@@ -135,6 +141,8 @@ def test_router_learns_capacity_and_overflows(tmp_path: Path, processes: list[Se
     assert 'reason="overflow"' in metrics
     workers_json = httpx.get(router.url + "/workers").json()
     assert all(w["in_flight"] == 0 for w in workers_json)
+    # Engine readings with nothing waiting: at most the 2 it can run, or none seen yet.
+    assert all(w["capacity_floor"] in (None, 1, 2) for w in workers_json)
 
 
 def test_router_counts_load_that_bypassed_it(tmp_path: Path, processes: list[Server]) -> None:

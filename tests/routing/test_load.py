@@ -161,6 +161,29 @@ def test_a_worker_not_seen_queueing_is_assumed_to_run_as_many_as_the_largest_lea
     assert m.slot_wait("b") == 0.0
 
 
+def test_a_worker_seen_running_more_than_the_learned_ones_is_not_assumed_their_size() -> None:
+    """In a fleet of unequal engines the one learned first may be the smallest (it
+    queues first). A worker seen running more than it with nothing waiting is larger:
+    taken for the small one's size, it was priced as full (slot wait, the largest
+    stretch) while it had slots free, and the small worker drew the requests it should
+    have shed. Its capacity is unknown until it queues in turn."""
+    m = LoadModel()
+    m.capacities = {"small": 4}
+    for _ in range(6):
+        m.reserve("big", 10, 100, now=0.0)
+    assert m.slot_wait("big") > 0  # taken for the small one's size: 6 in flight, 4 slots
+    m.capacity_floors = {"big": 6}  # an engine reading: 6 running, none waiting
+    assert m.slot_wait("big") == 0.0
+    assert m.stretch("big") == 1.0
+    pred = m.predict(["small", "big"], 10, {})
+    assert pred.stretch["big"] == 1.0 and pred.ttft["big"] == m.ttft("big", 10)
+    m.capacity_floors = {"big": 4}  # no more than the learned one ran: alike, as before
+    assert m.slot_wait("big") > 0
+    m.capacity_floors = {"big": 6}
+    m.capacities = {"small": 4, "big": 8}  # learned at last: its own counts
+    assert m.stretch("big") == pytest.approx(8 / 2)
+
+
 def synthetic_worker(m: LoadModel, worker: str, tps: float, overhead: float, n: int) -> None:
     """Requests one at a time on a worker with TTFT = overhead + tokens / tps, a tenth
     of them delayed by a second (a stall the estimator must shrug off)."""

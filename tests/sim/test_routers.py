@@ -286,3 +286,29 @@ def test_capacity_is_learned_only_at_engine_polls_as_serve_learns_it() -> None:
     assert overflows(False, 100.0) > 0  # learned when the holder first queued
     assert overflows(True, 100.0) == 0  # no poll during the burst: nothing learned
     assert overflows(True, 0.001) > 0  # a poll finds the holder queueing
+
+
+def test_a_small_worker_learned_first_does_not_make_the_larger_ones_look_full() -> None:
+    """One worker of four runs 8 requests at once, the others 32. The small one queues
+    first, so its capacity is the first learned, and workers not yet seen queueing are
+    assumed to be alike (``LoadModel.typical_capacity``). Were the larger ones taken for
+    8-slot workers even after running far more than 8 with nothing waiting, every
+    worker would look full; the small one, holding its prefixes, would keep drawing
+    their requests and queue them behind its slots (63 of them here), where SGLang's
+    rule on request counts sheds them."""
+    from kvroute.sim.workloads import gsp
+
+    costs = (CostModel(max_batch=8),) + (CostModel(),) * 3
+    prep = prepare(gsp(8, 50, 1000, 64, 150, seed=1, arrivals="poisson", rate=10.0), 16)
+    row = {}
+    for metric in ("work", "requests"):
+        cfg = FleetConfig(
+            workers=4,
+            worker_costs=costs,
+            learn_capacity=True,
+            policy_settings={"seed": 0, "load_metric": metric},
+        )
+        row[metric] = simulate(prep, "cache_aware", cfg)
+    assert row["requests"].extra["slot_queued"][0] <= 5
+    assert row["work"].extra["slot_queued"][0] <= 5
+    assert row["work"].ttft_p99 <= 1.1 * row["requests"].ttft_p99

@@ -9,7 +9,10 @@ waiting counts in Prometheus ``/metrics``. A worker seen with requests waiting i
 running all it can, so its running count at that moment is its capacity; the largest
 such count seen is kept (a momentary KV-cache limit may show a smaller one first).
 Until a worker has been seen queueing, it has no capacity and the guard leaves it be:
-that is SGLang's rule, unchanged, for fleets that never saturate.
+that is SGLang's rule, unchanged, for fleets that never saturate. The most it was seen
+running with nothing waiting is kept as well (a floor of its capacity): the work model
+assumes a worker not yet seen queueing runs as many as the others learned, unless it
+was seen running more.
 """
 
 from __future__ import annotations
@@ -74,15 +77,33 @@ def others_load(running: int, waiting: int, own: int) -> int:
 
 
 class CapacityLearner:
-    """Per-worker capacity learned from (running, waiting) observations."""
+    """Per-worker capacity learned from (running, waiting) observations.
+
+    ``capacities``: what an engine was seen running while requests waited (it runs no
+    more at once). ``floors``: the most it was seen running with nothing waiting (it runs
+    at least that many), kept for the workers not yet seen queueing, whose capacity the
+    work model otherwise takes from the others (``LoadModel.typical_capacity``): a worker
+    seen running more than that is not like them. A worker seen running more than its
+    learned capacity with nothing waiting (its engine was reconfigured, or was short of
+    KV memory when it queued) has the larger count learned instead."""
 
     def __init__(self) -> None:
         self.capacities: dict[str, int] = {}
+        self.floors: dict[str, int] = {}
 
     def observe(self, worker: str, running: int, waiting: int) -> None:
-        if waiting > 0 and running > 0 and running > self.capacities.get(worker, 0):
-            self.capacities[worker] = running
+        if running <= 0:
+            return
+        cap = self.capacities.get(worker, 0)
+        if waiting > 0:
+            if running > cap:
+                self.capacities[worker] = running
+        elif running > self.floors.get(worker, 0):
+            self.floors[worker] = running
+            if cap and running > cap:
+                self.capacities[worker] = running
 
     def forget(self, worker: str) -> None:
         """A worker left or restarted: its engine may come back configured otherwise."""
         self.capacities.pop(worker, None)
+        self.floors.pop(worker, None)

@@ -113,6 +113,10 @@ class RouterState:
                 "half_open": w.half_open and now >= w.circuit_open_until,
                 "mode": self.events.mode(w.url) if self.events is not None else "approximate",
                 "capacity": self.worker_capacity(w.url),
+                # The most its engine was seen running with nothing waiting (learned).
+                "capacity_floor": (
+                    self.capacity.floors.get(w.url) if self.capacity is not None else None
+                ),
                 "external_load": self.others.get(w.url) if self.polls_engine else None,
                 "models": sorted(w.models) if w.models is not None else None,
                 "work": self.work.snapshot(w.url),
@@ -311,6 +315,7 @@ def setup_capacity_learning(state: RouterState) -> None:
     if hasattr(state.policy, "capacities"):
         state.policy.capacities = learner.capacities
     state.work.capacities = learner.capacities
+    state.work.capacity_floors = learner.floors
     _chain_on_down(state, learner.forget)
 
 

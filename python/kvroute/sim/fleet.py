@@ -90,11 +90,12 @@ class FleetConfig:
     # the answers show how many (here: one, as the simulated engines count these IDs).
     index_in_bytes: bool = False
     policy_settings: dict[str, Any] = field(default_factory=dict)
-    # cache_aware learns each worker's capacity when it is first seen queueing: at once,
-    # or (``learn_at_polls``) as the router does, only when one of its /metrics polls
-    # (every ``engine_poll_s``) finds the worker with requests waiting. Over HTTP a
-    # queue that forms and drains between two polls teaches nothing, and until a
-    # worker's capacity is known the work model sees no wait for a slot there.
+    # cache_aware learns each worker's capacity when it is first seen queueing: at once
+    # (the engine observed at each arrival routed to it), or (``learn_at_polls``) as the
+    # router does, only when one of its /metrics polls (every ``engine_poll_s``) finds
+    # the worker with requests waiting. Over HTTP a queue that forms and drains between
+    # two polls teaches nothing, and until a worker's capacity is known the work model
+    # assumes the largest learned on another (none: no wait for a slot there).
     learn_capacity: bool = False
     learn_at_polls: bool = False
     # Generated tokens take cache blocks (vLLM); off: only prompts are cached.
@@ -400,8 +401,8 @@ def simulate(
         else:
             slotq[w] += 1
             queues[w].append(r)
-            if learner is not None and not cfg.learn_at_polls:
-                learner.observe(names[w], running[w], len(queues[w]))
+        if learner is not None and not cfg.learn_at_polls:
+            learner.observe(names[w], running[w], len(queues[w]))
 
     extra: dict[str, Any] = {
         "final_inflight": tier.in_flight(),

@@ -170,6 +170,7 @@ class RouterTier:
         for pol, model in zip(self.policies, self.work, strict=True):
             if learner is not None:
                 model.capacities = learner.capacities
+                model.capacity_floors = learner.floors
             model.fixed_capacity = getattr(pol, "worker_capacity", None)
             k = self.policies.index(pol)
             model.others = self.others[k]

@@ -255,6 +255,8 @@ class LoadModel:
         # requests engines hold beyond ours (``kvroute.fleet.engine_load``).
         self.fixed_capacity: int | None = None
         self.capacities: Mapping[str, int] = {}
+        # The most each engine was seen running with nothing waiting (``CapacityLearner``).
+        self.capacity_floors: Mapping[str, int] = {}
         self.others: Mapping[str, int] = {}
         # Other router replicas' requests in flight per worker (``--state-store``): each
         # takes a slot; unless their queued prefill is shared (``peer_pending``), each
@@ -423,7 +425,12 @@ class LoadModel:
         capacity learned on any worker (None: none learned). A fleet's replicas are
         usually alike. Assumed too large, a worker corrects it (it queues, and an engine
         reading learns its own); assumed unknown, it had no slot wait at all and drew
-        requests past its decode slots until a reading happened to catch it queueing."""
+        requests past its decode slots until a reading happened to catch it queueing.
+        Not for a worker seen running more than that with nothing waiting
+        (``capacity_floors``): it is larger than the ones learned, its capacity is
+        unknown (no slot wait, stretch 1) until it queues. Assumed the others' size,
+        such a worker was priced as full while it had slots free, and the small worker
+        whose capacity had been learned drew the requests it should have shed."""
         caps = self.capacities
         return max(caps.values()) if caps else None
 
@@ -438,6 +445,8 @@ class LoadModel:
         cap = self.capacities.get(worker)
         if cap is None:
             cap = self.typical_capacity() if typical == -1 else typical
+            if cap is not None and self.capacity_floors.get(worker, 0) > cap:
+                return None
         return cap
 
     def slot_wait(self, worker: str) -> float:
