@@ -23,7 +23,9 @@ each of ``--loads`` fractions of it on one arrival draw. Printed: one line per c
 load (TTFT p50 / p90 / p99 and mean of each policy over the rule's, hit-rate
 difference), then per policy and load the geometric mean of the ratios over the cases,
 how many cases are worse or better than the rule by more than 5% and 10%, and the worst
-cases. ``--json PATH`` writes every row.
+cases. ``--json PATH`` writes every row; ``--summarize`` prints the summary of rows
+written before (several files merged). ``--learn-at-polls``: capacities learned only at
+the router's engine polls, as ``serve`` learns them, not the moment a worker queues.
 
     python bench/random_fleets.py --cases 0-39
     python bench/random_fleets.py --cases 7 --loads 0.8     # one case again
@@ -181,6 +183,11 @@ def main() -> int:
     ap.add_argument("--slo", type=float, default=2.0)
     ap.add_argument("--max-steps", type=int, default=8)
     ap.add_argument("--bisect", type=int, default=4)
+    ap.add_argument(
+        "--learn-at-polls",
+        action="store_true",
+        help="capacities learned only at the router's engine polls, as serve learns them",
+    )
     ap.add_argument("--json", default=None, help="write every row here")
     ap.add_argument(
         "--summarize",
@@ -212,6 +219,8 @@ def main() -> int:
     )
     for i in _cases(a.cases):
         case = draw(a.seed, i)
+        if a.learn_at_polls:
+            case.cfg = replace(case.cfg, learn_at_polls=True)
         prep = prepare(case.requests, case.cfg.block_size)
         tps = sum(c.prefill_tokens_per_s for c in case.cfg.costs())
         r0 = tps / (prep.prompt_tokens / len(prep.requests)) / 4
