@@ -118,6 +118,26 @@ def test_cache_aware_work_guard_moves_only_to_a_sooner_worker() -> None:
     assert d.worker in ("b", "c") and d.reason == "overflow"
 
 
+def test_cache_aware_work_guard_compares_predicted_ttfts_not_occupancy_prices() -> None:
+    """A full holder is priced at its capacity times its prediction (the occupancy
+    stretch), a worker with one request in flight at 4/3 of its own. Compared by those
+    prices, a short wait for a slot on the holder lost to a cold 4,000-token prefill
+    elsewhere that answers later; the guard compares the predicted TTFTs."""
+    pol, model = setup("cache_aware", worker_capacity=4)
+    prompt = tokens(6, 4000)
+    pol.index.insert("a", prompt)  # type: ignore[attr-defined]
+    loads = {"a": 4, "b": 1, "c": 1}  # a is full by count
+    for _ in range(4):
+        model.reserve("a", 10, 40, now=0.0)
+    for w in ("b", "c"):
+        model.reserve(w, 10, 40, now=0.0)
+    pred = model.predict(WORKERS, len(prompt), {"a": len(prompt)})
+    assert pred.ttft["a"] < pred.ttft["b"]  # a slot frees before b would have prefilled
+    assert pred.price["a"] > pred.price["b"]  # what the guard compared before
+    d = pol.select(RouteRequest(prompt), loads)  # type: ignore[attr-defined]
+    assert (d.worker, d.reason) == ("a", "cache_hit")
+
+
 def test_cache_aware_work_leaves_a_holder_whose_queue_costs_more_than_its_cache_saves() -> None:
     """Not full by count (no capacity known), but 20k tokens of prefill queued ahead on
     the holder: the request goes elsewhere (``overflow``) once that costs less; the

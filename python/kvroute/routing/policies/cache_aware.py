@@ -43,11 +43,13 @@ first token for this request (``kvroute.routing.load``: queued prefill tokens an
 request's uncached tokens there over the worker's learned prefill rate, plus the wait
 for a slot), so a worker with one 100k-token prompt queued is no longer "as loaded" as
 one with a 200-token prompt, and a slow worker is seen as slow; equal predictions go to
-the fewer requests in flight, then rotate. Every comparison uses the prediction's
+the fewer requests in flight, then rotate. These choices use the prediction's
 *price*: stretched by 1 / (1 - occupied decode slots / capacity), since the later
 requests of a prefix follow it to its worker (``kvroute.routing.load``). The saturation
 guard fires on the same count test, and then moves the request only to a worker
-predicted to answer sooner than the full holder. It also fires on work, full or not:
+predicted to answer sooner than the full holder: predicted TTFTs, not prices (the full
+holder's wait for a slot is in its prediction; its stretch, the capacity itself once
+full, is no time the request waits). It also fires on work, full or not:
 when sending the request to the cache holder costs more than sending it to the cheapest
 worker (``LoadModel.cost``: predicted TTFT plus the delay its own prefill adds to the
 requests that will queue behind it, the cost ``min_ttft`` minimises), it goes there
@@ -238,10 +240,11 @@ class CacheAware(Policy):
         return self._ties.least_by({w: price[w] for w in among if w in loads}, loads)
 
     def _sooner(self, alt: str, holder: str, pred: Predictions | None) -> bool:
-        """Guard: does moving off the full ``holder`` to ``alt`` pay? (always, on counts)"""
+        """Guard: does moving off the full ``holder`` to ``alt`` pay? (always, on counts;
+        on work, when ``alt``'s predicted TTFT is the shorter: module doc)"""
         if pred is None:
             return True
-        return pred.price[alt] < pred.price[holder]
+        return pred.ttft[alt] < pred.ttft[holder]
 
     def _cheaper(
         self, holder: str, loads: Mapping[str, int], pred: Predictions | None
