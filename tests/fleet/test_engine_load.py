@@ -50,7 +50,9 @@ def test_learner_needs_queueing_and_keeps_the_largest() -> None:
     assert learner.capacities == {"a": 6}
     learner.observe("a", 5, 0)
     assert learner.capacities == {"a": 6} and learner.floors == {"a": 7}
-    learner.observe("a", 9, 0)  # runs more than learned with nothing waiting: it can
+    learner.observe("a", 7, 0)  # ran 7 with none waiting before it queued at 6: it can
+    assert learner.capacities == {"a": 7} and learner.floors == {"a": 7}
+    learner.observe("a", 9, 0)
     assert learner.capacities == {"a": 9} and learner.floors == {"a": 9}
     learner.observe("b", 0, 3)  # an engine running nothing teaches nothing
     assert "b" not in learner.capacities and "b" not in learner.floors

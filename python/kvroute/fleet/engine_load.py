@@ -98,10 +98,11 @@ class CapacityLearner:
         if waiting > 0:
             if running > cap:
                 self.capacities[worker] = running
-        elif running > self.floors.get(worker, 0):
+            return
+        if running > self.floors.get(worker, 0):
             self.floors[worker] = running
-            if cap and running > cap:
-                self.capacities[worker] = running
+        if cap and running > cap:
+            self.capacities[worker] = running
 
     def forget(self, worker: str) -> None:
         """A worker left or restarted: its engine may come back configured otherwise."""
