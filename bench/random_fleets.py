@@ -10,7 +10,7 @@ re-run alone with ``--cases i``):
   one) prefill at 0.3-0.7x the others' speed; with probability 0.25 a quarter of them
   (at least one) run 16 requests at once instead of 32; each worker's KV cache holds the
   simulator's default 200,000 tokens, or with probability 0.3 a quarter of that;
-* the traffic, one of five families with its sizes drawn (about 600-1,000 requests):
+* the traffic, one of five families with its sizes drawn (about 700-900 requests):
   shared system prompts (GSP, uniform or Zipf groups), RAG over Zipf documents, multi-turn
   chat (log-normal lengths), unique short prompts mixed with long shared prefixes, and
   llm-d's long prefixes; output lengths fixed or log-normal;
@@ -27,7 +27,7 @@ cases. ``--json PATH`` writes every row; ``--summarize`` prints the summary of r
 written before (several files merged). ``--learn-at-polls``: capacities learned only at
 the router's engine polls, as ``serve`` learns them, not the moment a worker queues.
 
-    python bench/random_fleets.py --cases 0-39
+    python bench/random_fleets.py                          # cases 0-59, as the study
     python bench/random_fleets.py --cases 7 --loads 0.8     # one case again
     python bench/random_fleets.py --cases 0-29 --json a.json &  # on two cores
     python bench/random_fleets.py --cases 30-59 --json b.json; wait
@@ -177,7 +177,7 @@ def _cases(spec: str) -> list[int]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=0, help="the draw of cases")
-    ap.add_argument("--cases", default="0-39", help="case indices: 0-39, or 3,7,12")
+    ap.add_argument("--cases", default="0-59", help="case indices: 0-59, or 3,7,12")
     ap.add_argument("--loads", default="0.5,0.8,1.0", help="fractions of the rule's capacity")
     ap.add_argument("--policies", default="cache_aware (work),round_robin", help="besides the rule")
     ap.add_argument("--slo", type=float, default=2.0)
