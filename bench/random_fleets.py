@@ -49,8 +49,8 @@ import work_aware
 import work_aware_shapes
 from kvroute.sim import workloads as wl
 from kvroute.sim.cost import DEFAULT_CAPACITY_TOKENS, CostModel
-from kvroute.sim.fleet import FleetConfig, Prepared, prepare, simulate
-from work_aware import BASELINE, POLICIES, at_rate, capacity
+from kvroute.sim.fleet import FleetConfig, Prepared, prepare
+from work_aware import BASELINE, POLICIES, at_rate, capacity, run
 
 Arrive = Callable[..., Prepared]
 
@@ -235,14 +235,7 @@ def main() -> int:
             p = case.arrive(prep, load * cap, 1)
             got: dict[str, dict[str, float]] = {}
             for label, policy, settings in chosen:
-                s = dict(settings)
-                budgets = s.pop("engine_budgets", case.cfg.engine_budgets)
-                cfg = replace(
-                    case.cfg,
-                    engine_budgets=budgets,
-                    policy_settings={**case.cfg.policy_settings, **s},
-                )
-                r = simulate(p, policy, cfg, record=True)
+                r = run(p, policy, settings, case.cfg, record=True)
                 t = np.asarray(r.extra["ttft"], dtype=np.float64)
                 got[label] = {
                     "p50": r.ttft_p50,

@@ -186,11 +186,20 @@ def reachable(b: dict[str, float], base: dict[str, float | None], base_cap: floa
     return "; ".join(parts)
 
 
-def run(prep: Prepared, policy: str, settings: dict[str, Any], cfg: FleetConfig) -> ResultRow:
+def run(
+    prep: Prepared,
+    policy: str,
+    settings: dict[str, Any],
+    cfg: FleetConfig,
+    *,
+    record: bool = False,
+) -> ResultRow:
+    """One simulated run of ``policy`` (its ``settings``, ``engine_budgets`` among them)
+    on ``cfg``; ``record``: per-request results in ``extra`` (``simulate``)."""
     settings = dict(settings)
     budgets = settings.pop("engine_budgets", cfg.engine_budgets)
     c = replace(cfg, engine_budgets=budgets, policy_settings={**cfg.policy_settings, **settings})
-    return simulate(prep, policy, c)
+    return simulate(prep, policy, c, record=record)
 
 
 def capacity(
