@@ -54,6 +54,42 @@ def test_prediction_counts_queued_work_ahead_and_own_tokens() -> None:
     assert m.ttft("v", 1500) < m.ttft("w", 1500)
 
 
+def test_with_a_clock_the_prefill_in_progress_counts_what_is_left_of_it() -> None:
+    """The head of a worker's queue began its prefill when it was routed (a free slot,
+    nothing else waiting) or when the one ahead of it gave its first byte; with the
+    caller's clock the model counts what is left of it, not half of it."""
+    clock = [0.0]
+    m = LoadModel()
+    m.clock = lambda: clock[0]
+    head = PRIOR_OVERHEAD_S + 15_000 / PRIOR_PREFILL_TPS  # 1.005 s
+    a = m.reserve("w", 15_000, 10, now=0.0)
+    own = PRIOR_OVERHEAD_S + 1500 / PRIOR_PREFILL_TPS
+    clock[0] = 0.25
+    assert m.ttft("w", 1500) == pytest.approx(head - 0.25 + own)
+    clock[0] = 0.9
+    assert m.ahead("w") == pytest.approx(head - 0.9)
+    clock[0] = 3.0  # overdue: nothing is assumed left
+    assert m.ahead("w") == 0.0
+    # A second one queued behind the first starts when the first's first byte comes.
+    b = m.reserve("w", 3000, 10, now=0.1)
+    second = PRIOR_OVERHEAD_S + 3000 / PRIOR_PREFILL_TPS
+    a.first_byte(1.1)
+    clock[0] = 1.2
+    assert m.ahead("w") == pytest.approx(second - 0.1)
+    # Predictions for every worker at once agree with the per-worker call.
+    assert m.predict(["w"], 1500, {}).ttft["w"] == pytest.approx(m.ttft("w", 1500))
+    b.end(1.5)
+    assert m.ahead("w") == 0.0 and not m.workers["w"].since
+    # Without a clock (or for a head that found the engine busy) it counts half done.
+    m.clock = None
+    m.reserve("w", 15_000, 10, now=2.0)
+    assert m.ahead("w") == pytest.approx(0.5 * head)
+    m.clock = lambda: 2.0
+    m.observe_engine("v", running=4, waiting=3)  # others' requests wait on v
+    m.reserve("v", 15_000, 10, now=2.0)
+    assert "v" not in {w for w, st in m.workers.items() if st.since}
+
+
 def test_a_full_worker_adds_the_wait_for_a_slot() -> None:
     m = LoadModel()
     m.fixed_capacity = 2

@@ -196,6 +196,7 @@ def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) ->
     )
     work = LoadModel()
     work.fixed_capacity = settings.worker_capacity
+    work.clock = time.monotonic  # the clock the request path reserves with
     uses_work = getattr(policy, "work", None) is not None
     if uses_work:
         policy.work = work  # type: ignore[attr-defined]

@@ -174,6 +174,7 @@ class RouterTier:
             model.fixed_capacity = getattr(pol, "worker_capacity", None)
             k = self.policies.index(pol)
             model.others = self.others[k]
+            model.clock = self._clock
             if self.shared:  # as serve does with its StateStore
                 model.peer = self.peer[k]
                 model.peer_pending = self.peer_pending[k]
@@ -259,6 +260,10 @@ class RouterTier:
                     self.peer_pending[j][worker] += load[1] - was[1]
                     self.peer_prefill[j][worker] += load[2] - was[2]
 
+    def _clock(self) -> float:
+        """The virtual time of the event being handled (the work models' clock)."""
+        return self._now
+
     def route(self, r: int, request: RouteRequest, now: float = 0.0, output_len: int = 1) -> str:
         """The next replica in turn routes request ``r`` and reserves its load and its
         predicted work (``output_len``: the request's ``max_tokens``)."""
@@ -266,8 +271,8 @@ class RouterTier:
         self._next = (k + 1) % len(self.policies)
         loads = self.loads[k]
         seen = loads
+        self._now = now
         if self.shared:
-            self._now = now
             self._sync(now)
             peer = self.peer[k]
             seen = {w: n + peer[w] for w, n in loads.items()}

@@ -68,9 +68,13 @@ Learned speed, per worker (so a heterogeneous fleet is told apart)
 The prediction (``ttft``), for a request with ``uncached`` tokens on worker ``w``::
 
     ahead   = prefill queued on w, in seconds: its requests' overheads and uncached
-              tokens over the learned line (the oldest counted half: it is probably
-              being prefilled, half done on average) + others' waiting requests, each
-              of the mean uncached size of ours
+              tokens over the learned line, the oldest (the one being prefilled) as
+              what is left of it: its predicted prefill less the time since it began
+              (when it was routed, or when the one ahead of it gave its first byte;
+              nothing when overdue). Where that start is unknown (it was routed while
+              the engine had others' requests waiting or no free slot, or the model
+              has no clock: ``LoadModel.clock``) it counts half done, the average.
+              + others' waiting requests, each of the mean uncached size of ours
     ttft    = ahead + overhead(w) + uncached / rate(w) + slot_wait(w)
     slot_wait = 0 while w has a free slot (requests in flight, ours + others, below its
               capacity: ``--worker-capacity`` or learned from the engines; a worker not

@@ -40,6 +40,9 @@ class WorkerWork:
     requests: int = 0
     decode_tokens: int = 0  # expected output tokens of the requests in flight
     pending: dict[int, int] = field(default_factory=dict)  # ticket id -> uncached tokens
+    # Ticket id -> when it was routed, for the pending ones that found a free slot and
+    # nothing of anyone else's waiting: their prefill starts when the one ahead ends.
+    since: dict[int, float] = field(default_factory=dict)
     # Seconds to first byte = intercept (per-request overhead) + slope * prefill tokens.
     prefill: ResistantLine = field(
         default_factory=lambda: ResistantLine(1 / PRIOR_PREFILL_TPS, PRIOR_OVERHEAD_S)
@@ -162,6 +165,7 @@ class Ticket:
         oldest = next(iter(st.pending), None) == self.id
         if st.pending.pop(self.id, None) is not None:
             st.prefill_tokens -= self.uncached
+            st.since.pop(self.id, None)
             self._model.changed(self.worker)
         elapsed = now - self.started
         previous, ahead_id = st.last_first, st.last_first_id
@@ -194,6 +198,7 @@ class Ticket:
         st = self.state
         if st.pending.pop(self.id, None) is not None:
             st.prefill_tokens -= self.uncached
+            st.since.pop(self.id, None)
         st.requests -= 1
         st.decode_tokens -= self.expected_out
         self._model.changed(self.worker)
@@ -282,6 +287,10 @@ class LoadModel:
         # shares them).
         self.on_change: Callable[[str], None] | None = None
         self._ids = 0
+        # The caller's clock, in the times it passes to ``reserve`` (``serve``:
+        # ``time.monotonic``; the simulator: virtual time): how long the prefill at the
+        # head of a worker's queue has been running. None: counted half done.
+        self.clock: Callable[[], float] | None = None
 
     # ----------------------------------------------------------------- bookkeeping
 
@@ -330,12 +339,18 @@ class LoadModel:
         expect = uncached + round((1.0 - st.trust) * matched)
         t.uncached = expect
         st.pending[t.id] = expect
+        if t.clean:
+            st.since[t.id] = now
         st.prefill_tokens += expect
         st.requests += 1
         st.decode_tokens += expected_out
         self.changed(worker)
         self.mean_uncached += OUTPUT_EWMA * (uncached - self.mean_uncached)
         return t
+
+    def _now(self) -> float | None:
+        clock = self.clock
+        return clock() if clock is not None else None
 
     def changed(self, worker: str) -> None:
         if self.on_change is not None:
@@ -393,16 +408,35 @@ class LoadModel:
         if st is None:
             return 0.0
         intercept, slope = self.line(st)
-        return self._ahead(worker, st, intercept, slope, size_hint)
+        return self._ahead(worker, st, intercept, slope, size_hint, self._now())
 
     def _ahead(
-        self, worker: str, st: WorkerWork, intercept: float, slope: float, size_hint: int
+        self,
+        worker: str,
+        st: WorkerWork,
+        intercept: float,
+        slope: float,
+        size_hint: int,
+        now: float | None,
     ) -> float:
         work = float(st.prefill_tokens)
         count = float(len(st.pending))
-        if st.pending:  # the oldest is probably being prefilled: half done
-            work -= next(iter(st.pending.values())) / 2
-            count -= 0.5
+        left = 0.0
+        if st.pending:
+            oldest, tokens = next(iter(st.pending.items()))
+            at = st.since.get(oldest)
+            if now is None or at is None:  # probably being prefilled: half done
+                work -= tokens / 2
+                count -= 0.5
+            else:
+                # Its prefill began when it was routed, or when the one ahead of it
+                # gave its first byte: what is left of its predicted prefill.
+                last = st.last_first
+                if last is not None and last > at:
+                    at = last
+                work -= tokens
+                count -= 1
+                left = max(0.0, intercept + tokens * slope - (now - at))
         e = st.engine
         if e is not None and e.waiting > e.own_pending + e.peer_pending:
             # Waiting requests nobody shared (bypass traffic, routers without a store).
@@ -418,7 +452,7 @@ class LoadModel:
                 # Their size is not shared: the larger of our running mean and this one.
                 work += peers * max(self.mean_uncached, size_hint)
                 count += peers
-        return count * intercept + work * slope
+        return left + count * intercept + work * slope
 
     def typical_capacity(self) -> int | None:
         """What a worker not yet seen queueing is assumed to run at once: the largest
@@ -492,7 +526,7 @@ class LoadModel:
             return PRIOR_OVERHEAD_S + max(0, uncached) / PRIOR_PREFILL_TPS
         intercept, slope = self.line(st)
         return (
-            self._ahead(worker, st, intercept, slope, max(0, uncached))
+            self._ahead(worker, st, intercept, slope, max(0, uncached), self._now())
             + _own(st, intercept, slope, uncached, matched)
             + self._slot_wait(worker, st)
         )
@@ -533,6 +567,7 @@ class LoadModel:
         # No capacity known for any worker (none fixed, learned or read): no slot wait.
         no_caps = self.fixed_capacity is None and not self.capacities
         typical = self.typical_capacity()
+        now = self._now()
         for w in workers:
             matched = matches.get(w, 0)
             uncached = tokens - matched
@@ -560,7 +595,7 @@ class LoadModel:
                 slot, x = 0.0, 1.0
             else:
                 slot, x = self._slots(w, st, typical)
-            t = ttft[w] = self._ahead(w, st, intercept, slope, uncached) + o + slot
+            t = ttft[w] = self._ahead(w, st, intercept, slope, uncached, now) + o + slot
             stretch[w] = x
             price[w] = t * x
         return Predictions(ttft, own, stretch, price)
