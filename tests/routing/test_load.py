@@ -71,22 +71,22 @@ def test_with_a_clock_the_prefill_in_progress_counts_what_is_left_of_it() -> Non
     clock[0] = 3.0  # overdue: nothing is assumed left
     assert m.ahead("w") == 0.0
     # A second one queued behind the first starts when the first's first byte comes.
-    b = m.reserve("w", 3000, 10, now=0.1)
+    b = m.reserve("w", 3000, 10, now=3.0)
     second = PRIOR_OVERHEAD_S + 3000 / PRIOR_PREFILL_TPS
-    a.first_byte(1.1)
-    clock[0] = 1.2
+    a.first_byte(3.2)
+    clock[0] = 3.3
     assert m.ahead("w") == pytest.approx(second - 0.1)
     # Predictions for every worker at once agree with the per-worker call.
     assert m.predict(["w"], 1500, {}).ttft["w"] == pytest.approx(m.ttft("w", 1500))
-    b.end(1.5)
+    b.end(3.5)
     assert m.ahead("w") == 0.0 and not m.workers["w"].since
     # Without a clock (or for a head that found the engine busy) it counts half done.
     m.clock = None
-    m.reserve("w", 15_000, 10, now=2.0)
+    m.reserve("w", 15_000, 10, now=4.0)
     assert m.ahead("w") == pytest.approx(0.5 * head)
-    m.clock = lambda: 2.0
+    m.clock = lambda: 4.0
     m.observe_engine("v", running=4, waiting=3)  # others' requests wait on v
-    m.reserve("v", 15_000, 10, now=2.0)
+    m.reserve("v", 15_000, 10, now=4.0)
     assert "v" not in {w for w, st in m.workers.items() if st.since}
 
 

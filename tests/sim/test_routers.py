@@ -312,3 +312,21 @@ def test_a_small_worker_learned_first_does_not_make_the_larger_ones_look_full() 
     assert row["requests"].extra["slot_queued"][0] <= 5
     assert row["work"].extra["slot_queued"][0] <= 5
     assert row["work"].ttft_p99 <= 1.1 * row["requests"].ttft_p99
+
+
+def test_the_simulated_routers_work_model_reads_virtual_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The simulator gives every work model its virtual clock: the prefill in progress at
+    the head of a queue counts as what is left of it, so on workers that follow the cost
+    model (the default one, the model's priors) a queue of cold prompts is predicted to
+    the microsecond. Counted half done (no clock), the predictions are off."""
+    reqs = [Request(0.02 * i, prompt(100 + i, 1000), 4, i) for i in range(40)]
+    prep = prepare(reqs, 16)
+    cfg = FleetConfig(workers=1, cost=CostModel())
+    row = simulate(prep, "cache_aware", cfg)
+    assert row.extra["ttft_mae_s"] < 1e-6
+
+    monkeypatch.setattr(RouterTier, "_clock", None)  # the work models get no clock
+    without = simulate(prep, "cache_aware", cfg)
+    assert without.extra["ttft_mae_s"] > 0.01
