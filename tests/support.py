@@ -133,6 +133,10 @@ class RedisServer:
             "",
             "--appendonly",
             "no",
+            # Where a replica's full sync writes its snapshot (dump.rdb), instead of
+            # the directory the tests were started from.
+            "--dir",
+            str(log_dir),
         ]
         if password:
             argv += ["--requirepass", password]
