@@ -220,6 +220,30 @@ def test_a_worker_seen_running_more_than_the_learned_ones_is_not_assumed_their_s
     assert m.stretch("big") == pytest.approx(8 / 2)
 
 
+def test_once_a_worker_outgrows_the_learned_size_no_unlearned_worker_is_assumed_it() -> None:
+    """Two large workers, neither seen queueing, and a small one whose capacity (4) was
+    learned first. Both large ones run 3; one of them was once seen running 5 with
+    nothing waiting, so the fleet is not alike. Were only that one unstretched, the
+    other (assumed 4 slots, 3 taken: stretched 4x) would price four times as high for
+    the same predicted time, and the one seen larger would draw every request until its
+    queue was four times as long. Neither large one's capacity is known: both unstretched,
+    alike. The small one keeps its own."""
+    m = LoadModel()
+    m.capacities = {"small": 4}
+    for w in ("seen", "unseen", "small"):
+        for _ in range(3):
+            m.reserve(w, 10, 100, now=0.0)
+    assert m.stretch("unseen") == pytest.approx(4.0)  # assumed the small one's size
+    m.capacity_floors = {"seen": 5, "small": 3, "unseen": 3}
+    pred = m.predict(["seen", "unseen", "small"], 10, {})
+    assert pred.stretch["seen"] == pred.stretch["unseen"] == 1.0
+    assert pred.price["seen"] == pytest.approx(pred.price["unseen"])
+    assert pred.stretch["small"] == pytest.approx(4.0)
+    assert m.slot_wait("unseen") == 0.0
+    m.capacities = {"small": 4, "seen": 8}  # the larger one queued: its size is typical
+    assert m.stretch("unseen") == pytest.approx(8 / 5)
+
+
 def synthetic_worker(m: LoadModel, worker: str, tps: float, overhead: float, n: int) -> None:
     """Requests one at a time on a worker with TTFT = overhead + tokens / tps, a tenth
     of them delayed by a second (a stall the estimator must shrug off)."""

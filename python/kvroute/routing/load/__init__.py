@@ -81,8 +81,9 @@ The prediction (``ttft``), for a request with ``uncached`` tokens on worker ``w`
               yet seen queueing is assumed to have the largest capacity learned on any
               worker, since the engines are read only every few seconds and a queue
               that forms between two readings teaches nothing, unless it was seen
-              running more than that with nothing waiting: it is larger, and its
-              capacity unknown until it queues); else the
+              running more than that with nothing waiting: it is larger, and then
+              the fleet is not alike, so no worker not yet seen queueing is assumed
+              any capacity until it queues); else the
               request waits for (n - capacity + 1) of ``capacity`` slots to free, each
               after a uniformly spread remaining decode time (the k-th of ``capacity``
               running requests ends after k / (capacity + 1) of a whole decode):

@@ -464,9 +464,24 @@ class LoadModel:
         (``capacity_floors``): it is larger than the ones learned, its capacity is
         unknown (no slot wait, stretch 1) until it queues. Assumed the others' size,
         such a worker was priced as full while it had slots free, and the small worker
-        whose capacity had been learned drew the requests it should have shed."""
+        whose capacity had been learned drew the requests it should have shed.
+
+        Once one such worker is seen, the fleet is not alike: None for every worker not
+        yet seen queueing (their capacity is unknown too, until each queues). Were only
+        the one seen running more unstretched, every request a holder near the small
+        size could shed went to it (its price one stretch, theirs up to that size's),
+        whatever it already had queued: a sink, where the other larger workers had
+        slots free."""
         caps = self.capacities
-        return max(caps.values()) if caps else None
+        if not caps:
+            return None
+        top = max(caps.values())
+        floors = self.capacity_floors
+        if floors and max(floors.values()) > top:
+            for worker, floor in floors.items():
+                if floor > top and worker not in caps:
+                    return None
+        return top
 
     def _capacity(self, worker: str, st: WorkerWork, typical: int | None = -1) -> int | None:
         """``typical``: ``typical_capacity()`` if already computed (-1: not yet)."""
