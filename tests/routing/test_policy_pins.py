@@ -151,3 +151,15 @@ async def test_consistent_hash_reads_the_session_key_from_each_source() -> None:
     finally:
         await client.aclose()
         await ctx.__aexit__(None, None, None)
+
+
+def test_engines_are_read_at_high_water_marks_for_the_work_model_only() -> None:
+    """Readings between health checks (``kvroute.fleet.health.EdgeReads``) feed the
+    learned capacities sooner: on for the work model (the default), off for SGLang's
+    rule on request counts, which stays as it was, and off with a fixed capacity."""
+    assert build_state(Settings(worker_urls=[A, B]).validate()).edge is not None
+    assert build_state(Settings(worker_urls=[A, B], policy="min_ttft").validate()).edge is not None
+    rule = Settings(worker_urls=[A, B], load_metric="requests").validate()
+    assert build_state(rule).edge is None
+    fixed = Settings(worker_urls=[A, B], worker_capacity=8).validate()
+    assert build_state(fixed).edge is None

@@ -272,20 +272,28 @@ def test_capacity_is_learned_only_at_engine_polls_as_serve_learns_it() -> None:
     reqs = [Request(0.001 * i, prompt(7), 200, 0) for i in range(12)]
     prep = prepare(reqs, 16)
 
-    def overflows(at_polls: bool, poll_s: float) -> int:
+    def overflows(
+        at_polls: bool, poll_s: float, edge_s: float | None = None, metric: str = "requests"
+    ) -> int:
         cfg = FleetConfig(
             workers=2,
             cost=CostModel(max_batch=2),
             learn_capacity=True,
             learn_at_polls=at_polls,
             engine_poll_s=poll_s,
-            policy_settings={"seed": 0, "load_metric": "requests"},
+            edge_read_gap_s=edge_s,
+            policy_settings={"seed": 0, "load_metric": metric},
         )
         return int(simulate(prep, "cache_aware", cfg).extra["decisions"].get("overflow", 0))
 
     assert overflows(False, 100.0) > 0  # learned when the holder first queued
     assert overflows(True, 100.0) == 0  # no poll during the burst: nothing learned
     assert overflows(True, 0.001) > 0  # a poll finds the holder queueing
+    # serve's reading at a worker's high-water mark (kvroute.fleet.health.EdgeReads),
+    # for the work model only: SGLang's rule on request counts stays as it was
+    assert overflows(True, 100.0, edge_s=0.002) == 0
+    assert overflows(True, 100.0, metric="work") == 0
+    assert overflows(True, 100.0, edge_s=0.002, metric="work") > 0
 
 
 def test_a_small_worker_learned_first_does_not_make_the_larger_ones_look_full() -> None:

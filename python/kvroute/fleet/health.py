@@ -11,13 +11,22 @@ running/waiting counts feed the capacity learner and the load its engine holds b
 this router's own requests (``kvroute.fleet.engine_load``), and, with its KV cache
 usage, the work model's view of the engine (``kvroute.routing.load``). The models a healthy
 worker serves are read from its ``/v1/models`` after each check (``kvroute.fleet.models``).
+
+Between checks (``EdgeReads``), a worker whose capacity is not yet learned has its
+``/metrics`` read again as soon as the requests routed to it exceed the most its engine
+was seen running with nothing waiting: the moment it may start queueing, which is when
+a reading teaches its capacity (at that many or fewer, it teaches nothing new). A queue
+that forms and drains between two checks five seconds apart teaches nothing, and until
+a capacity is known the work model and the guard work without it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import httpx
@@ -68,6 +77,70 @@ async def poll_engine_load(state: Checked, url: str) -> None:
         routed = worker.in_flight + state.registry.peer_load.get(url, 0)
         state.others[url] = others_load(*load, routed)
         state.work.observe_engine(url, *load, parse_kv_usage(r.content))
+
+
+# At most one edge read per worker this often (seconds): a worker at its high-water
+# mark is read again a second later, not at every request.
+EDGE_READ_GAP_S = 1.0
+
+
+class EdgeReads:
+    """Engine readings between health checks, at each worker's high-water mark (module
+    doc). ``after_reserve`` runs on the request path (a few dictionary lookups); the
+    reading itself is a background task, one at a time per worker, never awaited by a
+    request."""
+
+    def __init__(
+        self,
+        state: Checked,
+        gap_s: float = EDGE_READ_GAP_S,
+        on_read: Callable[[], object] | None = None,
+    ) -> None:
+        self.state = state
+        self.gap_s = gap_s
+        self.on_read = on_read  # called at each reading started (a metric)
+        self._last: dict[str, float] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    def after_reserve(self, url: str) -> None:
+        """A request was just routed to ``url``: read its engine now if its capacity is
+        unknown, it holds more of the routers' requests than it was ever seen running
+        with none waiting, and it was not read within ``gap_s``."""
+        state = self.state
+        learner = state.capacity
+        if learner is None or url in learner.capacities or url in self._tasks:
+            return
+        registry = state.registry
+        w = registry.workers.get(url)
+        if w is None or w.in_flight + registry.peer_load.get(url, 0) <= learner.floors.get(url, 0):
+            return
+        now = time.monotonic()
+        if now - self._last.get(url, -self.gap_s) < self.gap_s:
+            return
+        if len(self._last) > 2 * len(registry.workers) + 16:  # workers that left
+            self._last = {u: t for u, t in self._last.items() if u in registry.workers}
+        self._last[url] = now
+        if self.on_read is not None:
+            self.on_read()
+        task = asyncio.get_running_loop().create_task(self._read(url))
+        self._tasks[url] = task
+
+    async def _read(self, url: str) -> None:
+        try:
+            await poll_engine_load(self.state, url)
+        except Exception:  # a reading must never take anything down with it
+            log.exception("reading %s's engine load failed", url)
+        finally:
+            self._tasks.pop(url, None)
+
+    async def close(self) -> None:
+        """Cancel the readings in progress (shutdown)."""
+        tasks = list(self._tasks.values())
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
 
 
 async def refresh_models(state: Checked, url: str) -> None:

@@ -132,6 +132,8 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
                     t.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await t
+            if state.edge is not None:
+                await state.edge.close()
             await state.client.aclose()
             if state.recorder is not None:
                 await asyncio.to_thread(state.recorder.close)

@@ -167,6 +167,8 @@ class Attempts:
             # The request's predicted work, released with the reservation (exactly once).
             ticket = self._reserve_work(job, decision)
             res = s.registry.reserve(decision.worker, releaser(ticket, on_release))
+            if s.edge is not None:
+                s.edge.after_reserve(decision.worker)
             outcome = await self._attempt(job, decision, res, ticket)
             s.tokenizer.tails.settle()  # decide first: the whole prompt, for what follows
             worker = decision.worker

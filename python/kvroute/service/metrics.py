@@ -264,6 +264,12 @@ class RouterMetrics:
         self.rejected = Counter(
             "kvroute_rejected", "Requests refused by admission control", ["reason"], registry=r
         )
+        self.edge_reads = Counter(
+            "kvroute_engine_reads_between_checks",
+            "Engine /metrics readings between health checks: a worker whose capacity is not "
+            "learned, with more requests routed to it than it was seen running with none waiting",
+            registry=r,
+        )
         self.model_requests = FlushingCounter(
             "kvroute_model_requests",
             "Requests routed by the model they ask for ('default' when they name none; "

@@ -19,6 +19,7 @@ from kvroute._native import PrefixIndex
 from kvroute.config import ConfigError, Settings
 from kvroute.fleet.budget import IndexBudget
 from kvroute.fleet.engine_load import CapacityLearner
+from kvroute.fleet.health import EdgeReads
 from kvroute.fleet.models import adapter_partition
 from kvroute.fleet.registry import Registry
 from kvroute.routing.load import LoadModel
@@ -50,6 +51,9 @@ class RouterState:
     # Saturation guard on: engines' /metrics read after each health check, and per worker
     # the requests its engine holds that this router did not send (``others_load``).
     polls_engine: bool = False
+    # With capacities learned: engine readings between checks at a worker's high-water
+    # mark (kvroute.fleet.health.EdgeReads).
+    edge: Any = None
     others: dict[str, int] = field(default_factory=dict)
     # Work in flight and learned speed per worker (kvroute.routing.load); the proxy
     # reserves each routed request's predicted work here, work-aware policies read it.
@@ -230,6 +234,9 @@ def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) ->
     guarded = hasattr(policy, "others") or uses_work
     if guarded and (learns or settings.worker_capacity is not None):
         state.polls_engine = True
+        if state.capacity is not None and uses_work:
+            # The work model's (SGLang's rule, --load-metric requests, stays as it was).
+            state.edge = EdgeReads(state, on_read=state.metrics.edge_reads.inc)
         if hasattr(policy, "others"):
             policy.others = state.others
         work.others = state.others

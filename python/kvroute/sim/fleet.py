@@ -63,6 +63,7 @@ import numpy as np
 
 from kvroute._native import PrefixIndex
 from kvroute.fleet.engine_load import CapacityLearner
+from kvroute.fleet.health import EDGE_READ_GAP_S
 from kvroute.routing.policies.base import Policy, RouteRequest
 from kvroute.sim.cache import Handle, PrefixCache, block_keys_batch, sequence
 from kvroute.sim.cost import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_TOKENS, CostModel
@@ -111,6 +112,12 @@ class FleetConfig:
     # the guard adds what an engine holds beyond the replica's own requests (other
     # replicas', bypass traffic). None: never.
     engine_poll_s: float | None = 5.0
+    # With ``learn_at_polls``: a worker whose capacity is not learned has its engine
+    # read again as soon as the requests routed to it exceed the most it was seen
+    # running with nothing waiting, at most once per this many seconds (serve's
+    # ``kvroute.fleet.health.EDGE_READ_GAP_S``; as serve, only for policies on the work
+    # model). None: only the periodic polls.
+    edge_read_gap_s: float | None = EDGE_READ_GAP_S
     # Each router knows every worker's prefill speed from the start (its cost model's
     # line, ``LoadModel.know``) instead of learning it from first bytes: what knowing
     # the speeds would change.
@@ -292,6 +299,10 @@ def simulate(
     if poll_every is not None and poll_every <= 0:
         raise ValueError("engine poll interval must be > 0")
     next_poll = poll_every if poll_every is not None else float("inf")
+    edge_gap = cfg.edge_read_gap_s if guard_on and cfg.learn_at_polls else None
+    if not any(getattr(p, "work", None) is not None for p in tier.policies):
+        edge_gap = None  # serve reads at high-water marks for the work model only
+    edge_read = [-float("inf")] * nw
     restarts = 0
     decision_ns = 0
     perf = time.perf_counter_ns
@@ -403,6 +414,16 @@ def simulate(
             queues[w].append(r)
         if learner is not None and not cfg.learn_at_polls:
             learner.observe(names[w], running[w], len(queues[w]))
+        elif learner is not None and edge_gap is not None:
+            name = names[w]
+            if (
+                name not in learner.capacities
+                and tier.routed_to(name) > learner.floors.get(name, 0)
+                and now - edge_read[w] >= edge_gap
+            ):
+                edge_read[w] = now
+                learner.observe(name, running[w], len(queues[w]))
+                tier.poll_one(name, running[w] + len(queues[w]), len(queues[w]))
 
     extra: dict[str, Any] = {
         "final_inflight": tier.in_flight(),

@@ -329,5 +329,20 @@ class RouterTier:
                 if waiting is not None:
                     model.observe_engine(w, held - waiting[i], waiting[i])
 
+    def poll_one(self, worker: str, held: int, waiting: int) -> None:
+        """``poll`` for one worker (``held``: its engine's running + waiting count)."""
+        for loads, others, peer, model in zip(
+            self.loads, self.others, self.peer, self.work, strict=True
+        ):
+            others[worker] = max(0, held - loads[worker] - peer[worker])
+            model.observe_engine(worker, held - waiting, waiting)
+
+    def routed_to(self, worker: str) -> int:
+        """Requests in flight on ``worker`` as the replicas see them (theirs and, with a
+        store, the others' they know of): the most any replica sees."""
+        return max(
+            loads[worker] + peer[worker] for loads, peer in zip(self.loads, self.peer, strict=True)
+        )
+
     def in_flight(self) -> int:
         return sum(sum(loads.values()) for loads in self.loads)
