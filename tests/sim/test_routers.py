@@ -15,7 +15,8 @@ from kvroute.cli import main
 from kvroute.routing.policies import create_policy
 from kvroute.routing.policies.base import Decision, Policy, RouteRequest
 from kvroute.sim.cost import CostModel
-from kvroute.sim.fleet import FleetConfig, prepare, simulate, worker_names
+from kvroute.sim.fleet import FleetConfig, Prepared, prepare, simulate, worker_names
+from kvroute.sim.report import ResultRow
 from kvroute.sim.routers import InstantEvents, RouterTier, bypass_plan
 from kvroute.sim.workloads import Request
 
@@ -296,6 +297,21 @@ def test_capacity_is_learned_only_at_engine_polls_as_serve_learns_it() -> None:
     assert overflows(True, 100.0, edge_s=0.002, metric="work") > 0
 
 
+def _default_and_rule(prep: Prepared, costs: tuple[CostModel, ...]) -> dict[str, ResultRow]:
+    """cache_aware on the work model (the default) and on request counts (SGLang's
+    rule), capacities learned, on a fleet of ``costs``: the rows by load metric."""
+    row = {}
+    for metric in ("work", "requests"):
+        cfg = FleetConfig(
+            workers=len(costs),
+            worker_costs=costs,
+            learn_capacity=True,
+            policy_settings={"seed": 0, "load_metric": metric},
+        )
+        row[metric] = simulate(prep, "cache_aware", cfg)
+    return row
+
+
 def test_a_small_worker_learned_first_does_not_make_the_larger_ones_look_full() -> None:
     """One worker of four runs 8 requests at once, the others 32. The small one queues
     first, so its capacity is the first learned, and workers not yet seen queueing are
@@ -308,15 +324,7 @@ def test_a_small_worker_learned_first_does_not_make_the_larger_ones_look_full() 
 
     costs = (CostModel(max_batch=8),) + (CostModel(),) * 3
     prep = prepare(gsp(8, 50, 1000, 64, 150, seed=1, arrivals="poisson", rate=10.0), 16)
-    row = {}
-    for metric in ("work", "requests"):
-        cfg = FleetConfig(
-            workers=4,
-            worker_costs=costs,
-            learn_capacity=True,
-            policy_settings={"seed": 0, "load_metric": metric},
-        )
-        row[metric] = simulate(prep, "cache_aware", cfg)
+    row = _default_and_rule(prep, costs)
     assert row["requests"].extra["slot_queued"][0] <= 5
     assert row["work"].extra["slot_queued"][0] <= 5
     assert row["work"].ttft_p99 <= 1.1 * row["requests"].ttft_p99
@@ -326,9 +334,9 @@ def test_one_larger_worker_seen_running_more_does_not_become_a_sink() -> None:
     """Eight workers, two with 8 decode slots and six with 32; multi-turn chat with
     heavy-tailed answers. The small workers queue first (capacity 8 learned), so the
     large ones are assumed 8 and, with 7 in flight, priced 8x their predicted time. One
-    of them then runs more than 8 with nothing waiting: it is larger. Unstretched alone, it drew
-    every conversation the others could shed, each a cold prefill on its growing queue
-    (p99 1.48 s against the rule's 0.36 s). With its capacity and the other large
+    of them then runs more than 8 with nothing waiting: it is larger. Unstretched
+    alone, it drew every conversation the others could shed, each a cold prefill on its
+    growing queue (p99 1.48 s against the rule's 0.36 s). With its capacity and the other large
     workers' taken as unknown alike, the default is within the rule's p99."""
     from kvroute.sim.workloads import multiturn
 
@@ -337,16 +345,7 @@ def test_one_larger_worker_seen_running_more_does_not_become_a_sink() -> None:
     for r in reqs:  # log-normal answers around 400 tokens
         r.output_len = int(min(3200, max(4, rng.lognormal(np.log(400), 1.2))))
     prep = prepare(reqs, 16)
-    costs = (CostModel(max_batch=8),) * 2 + (CostModel(),) * 6
-    row = {}
-    for metric in ("work", "requests"):
-        cfg = FleetConfig(
-            workers=8,
-            worker_costs=costs,
-            learn_capacity=True,
-            policy_settings={"seed": 0, "load_metric": metric},
-        )
-        row[metric] = simulate(prep, "cache_aware", cfg)
+    row = _default_and_rule(prep, (CostModel(max_batch=8),) * 2 + (CostModel(),) * 6)
     assert row["work"].ttft_p99 <= 1.1 * row["requests"].ttft_p99
     assert row["work"].hit_rate >= row["requests"].hit_rate - 0.03
 
