@@ -16,8 +16,9 @@ Between checks (``EdgeReads``), a worker whose capacity is not yet learned has i
 ``/metrics`` read again as soon as the requests routed to it exceed the most its engine
 was seen running with nothing waiting: the moment it may start queueing, which is when
 a reading teaches its capacity (at that many or fewer, it teaches nothing new). A queue
-that forms and drains between two checks five seconds apart teaches nothing, and until
-a capacity is known the work model and the guard work without it.
+that forms and drains between two checks (every 5 s by default) teaches nothing, and
+until a capacity is known the work model and the guard work without it. Only for the
+work model: SGLang's rule (``--load-metric requests``) reads engines as it always did.
 """
 
 from __future__ import annotations

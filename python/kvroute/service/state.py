@@ -53,7 +53,7 @@ class RouterState:
     polls_engine: bool = False
     # With capacities learned: engine readings between checks at a worker's high-water
     # mark (kvroute.fleet.health.EdgeReads).
-    edge: Any = None
+    edge: EdgeReads | None = None
     others: dict[str, int] = field(default_factory=dict)
     # Work in flight and learned speed per worker (kvroute.routing.load); the proxy
     # reserves each routed request's predicted work here, work-aware policies read it.
