@@ -333,7 +333,7 @@ def test_a_small_worker_learned_first_does_not_make_the_larger_ones_look_full() 
 def test_one_larger_worker_seen_running_more_does_not_become_a_sink() -> None:
     """Eight workers, two with 8 decode slots and six with 32; multi-turn chat with
     heavy-tailed answers. The small workers queue first (capacity 8 learned), so the
-    large ones are assumed 8 and, with 7 in flight, priced 8x their predicted time. One
+    large ones are assumed 8 and priced up to 8x their predicted time as they fill. One
     of them then runs more than 8 with nothing waiting: it is larger. Unstretched
     alone, it drew every conversation the others could shed, each a cold prefill on its
     growing queue (p99 1.48 s against the rule's 0.36 s). With its capacity and the other large
