@@ -321,21 +321,17 @@ class RouterTier:
         the replicas read it: what each holds beyond a replica's own requests (and, with a
         store, beyond the others' it knows of). ``waiting``: the waiting part, per worker
         (feeds the work models)."""
-        for loads, others, peer, model in zip(
-            self.loads, self.others, self.peer, self.work, strict=True
-        ):
-            for i, (w, held) in enumerate(zip(self.names, engine, strict=True)):
-                others[w] = max(0, held - loads[w] - peer[w])
-                if waiting is not None:
-                    model.observe_engine(w, held - waiting[i], waiting[i])
+        for i, (w, held) in enumerate(zip(self.names, engine, strict=True)):
+            self.poll_one(w, held, waiting[i] if waiting is not None else None)
 
-    def poll_one(self, worker: str, held: int, waiting: int) -> None:
+    def poll_one(self, worker: str, held: int, waiting: int | None) -> None:
         """``poll`` for one worker (``held``: its engine's running + waiting count)."""
         for loads, others, peer, model in zip(
             self.loads, self.others, self.peer, self.work, strict=True
         ):
             others[worker] = max(0, held - loads[worker] - peer[worker])
-            model.observe_engine(worker, held - waiting, waiting)
+            if waiting is not None:
+                model.observe_engine(worker, held - waiting, waiting)
 
     def routed_to(self, worker: str) -> int:
         """Requests in flight on ``worker`` as the replicas see them (theirs and, with a
