@@ -138,6 +138,30 @@ def test_cache_aware_work_guard_compares_predicted_ttfts_not_occupancy_prices() 
     assert (d.worker, d.reason) == ("a", "cache_hit")
 
 
+def test_cache_aware_work_guard_keeps_a_hit_on_a_full_holder_that_answers_sooner() -> None:
+    """The holder is full (16 of 16 slots, answers short: a slot frees soon); the others
+    have one request each, a 6,000-token prefill, in flight. Stretched by occupancy
+    (16x against 16/15), the hit cost more than a cold prefill behind that queue, and
+    the work guard moved it there, to answer several times later (heterogeneous fleets
+    at saturation: a fast full worker's hits shed onto a slow one). Full, the holder is
+    compared unstretched: the hit stays."""
+    pol, model = setup("cache_aware", worker_capacity=16)
+    prompt = tokens(7, 4000)
+    pol.index.insert("a", prompt)  # type: ignore[attr-defined]
+    loads = {"a": 16, "b": 1, "c": 1}
+    for _ in range(16):
+        model.reserve("a", 10, 40, now=0.0).first_byte(0.0, learn=False)  # decoding
+    for w in ("b", "c"):
+        model.reserve(w, 6000, 40, now=0.0)
+    pred = model.predict(WORKERS, len(prompt), {"a": len(prompt)})
+    assert pred.slot["a"] > 0 and pred.slot["b"] == 0  # a is full: its request waits
+    assert pred.ttft["a"] * 3 < pred.ttft["b"]
+    behind = model.queued_per_worker(WORKERS)
+    assert pred.cost("a", behind) > pred.cost("b", behind)  # what the guard compared
+    d = pol.select(RouteRequest(prompt), loads)  # type: ignore[attr-defined]
+    assert (d.worker, d.reason) == ("a", "cache_hit")
+
+
 def test_cache_aware_work_leaves_a_holder_whose_queue_costs_more_than_its_cache_saves() -> None:
     """Not full by count (no capacity known), but 20k tokens of prefill queued ahead on
     the holder: the request goes elsewhere (``overflow``) once that costs less; the

@@ -228,11 +228,12 @@ def _own(st: WorkerWork, intercept: float, slope: float, uncached: int, matched:
 
 class Predictions:
     """One request's predicted time to first token (``ttft``), own prefill seconds
-    (``own``) and occupancy stretch (``stretch``, ``LoadModel.stretch``) per worker, as
-    ``LoadModel.predict`` computed them for one decision; ``price``: the time a choice
-    compares, ``ttft`` times ``stretch``."""
+    (``own``), wait for a decode slot (``slot``, part of ``ttft``: above 0 only on a
+    worker at its capacity) and occupancy stretch (``stretch``, ``LoadModel.stretch``)
+    per worker, as ``LoadModel.predict`` computed them for one decision; ``price``: the
+    time a choice compares, ``ttft`` times ``stretch``."""
 
-    __slots__ = ("own", "price", "stretch", "ttft")
+    __slots__ = ("own", "price", "slot", "stretch", "ttft")
 
     def __init__(
         self,
@@ -240,15 +241,22 @@ class Predictions:
         own: dict[str, float],
         stretch: dict[str, float],
         price: dict[str, float],
+        slot: dict[str, float],
     ) -> None:
         self.ttft = ttft
         self.own = own
         self.stretch = stretch
         self.price = price
+        self.slot = slot
 
     def cost(self, worker: str, behind: float) -> float:
         """``LoadModel.cost`` of the request on ``worker``."""
         return (self.ttft[worker] + behind * self.own[worker]) * self.stretch[worker]
+
+    def unstretched_cost(self, worker: str, behind: float) -> float:
+        """``cost`` without the occupancy stretch: the request's own TTFT plus the delay
+        its prefill adds to the ``behind`` requests queued after it."""
+        return self.ttft[worker] + behind * self.own[worker]
 
 
 class LoadModel:
@@ -577,6 +585,7 @@ class LoadModel:
         own: dict[str, float] = {}
         stretch: dict[str, float] = {}
         price: dict[str, float] = {}
+        slots: dict[str, float] = {}
         known = self.workers
         fleet = self.fleet_line
         # No capacity known for any worker (none fixed, learned or read): no slot wait.
@@ -592,6 +601,7 @@ class LoadModel:
                     PRIOR_OVERHEAD_S + max(0, uncached) / PRIOR_PREFILL_TPS
                 )
                 stretch[w] = 1.0
+                slots[w] = 0.0
                 continue
             # ``line`` and ``_own`` inlined: this runs for every worker at every decision.
             p = st.prefill
@@ -613,7 +623,8 @@ class LoadModel:
             t = ttft[w] = self._ahead(w, st, intercept, slope, uncached, now) + o + slot
             stretch[w] = x
             price[w] = t * x
-        return Predictions(ttft, own, stretch, price)
+            slots[w] = slot
+        return Predictions(ttft, own, stretch, price, slots)
 
     def queued_per_worker(self, workers: Iterable[str]) -> float:
         """Mean number of requests waiting for their first byte per worker of ``workers``

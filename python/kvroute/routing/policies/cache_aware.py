@@ -54,9 +54,12 @@ when sending the request to the cache holder costs more than sending it to the c
 worker (``LoadModel.cost``: predicted TTFT plus the delay its own prefill adds to the
 requests that will queue behind it, the cost ``min_ttft`` minimises), it goes there
 (``overflow``). The match threshold alone follows a holder whatever is queued on it;
-where prompts are huge and caches small (the index still believes in evicted prefixes)
-that piled "hits" that were really cold prefills onto one worker, and the request-count
-rule, blind to sizes, did better at p99.
+where prompts are huge and caches small (the index still believes in evicted prefixes) that piled
+"hits" that were really cold prefills onto one worker, and the request-count rule,
+blind to sizes, did better at p99. When the holder is full (a wait for a slot in its
+prediction), the work guard leaves the stretch out on every worker, for the same
+reason as the count guard: priced at its capacity, a hit on a fast full worker lost to
+a cold prefill on a slow worker with slots free that answered seconds later.
 
 Corrections to SGLang's version: min/max over healthy workers only; ties between
 equally good workers go to the least loaded and then rotate (no "first worker wins",
@@ -256,7 +259,14 @@ class CacheAware(Policy):
         if work is None or pred is None:
             return None
         behind = work.queued_per_worker(loads)
-        cost = {w: pred.cost(w, behind) for w in loads}
+        if pred.slot.get(holder, 0.0) > 0.0:
+            # The holder is full: its wait for a slot is in its prediction, and its
+            # stretch (the capacity itself) is no time the request waits. Stretched,
+            # a hit on a fast full worker lost to a cold prefill on a slow one with
+            # slots free that answers seconds later (module doc).
+            cost = {w: pred.unstretched_cost(w, behind) for w in loads}
+        else:
+            cost = {w: pred.cost(w, behind) for w in loads}
         alt = self._ties.least_by(cost, loads)
         if cost[holder] - cost[alt] <= tie_window(cost[alt]):
             return None
