@@ -54,10 +54,10 @@ when sending the request to the cache holder costs more than sending it to the c
 worker (``LoadModel.cost``: predicted TTFT plus the delay its own prefill adds to the
 requests that will queue behind it, the cost ``min_ttft`` minimises), it goes there
 (``overflow``). The match threshold alone follows a holder whatever is queued on it;
-where prompts are huge and caches small (the index still believes in evicted prefixes) that piled
-"hits" that were really cold prefills onto one worker, and the request-count rule,
-blind to sizes, did better at p99. When the holder is full (a wait for a slot in its
-prediction), the work guard leaves the stretch out on every worker, for the same
+where prompts are huge and caches small (the index still believes in evicted prefixes)
+that piled "hits" that were really cold prefills onto one worker, and the request-count
+rule, blind to sizes, did better at p99. When the holder is full (a wait for a slot in
+its prediction), the work guard leaves the stretch out on every worker, for the same
 reason as the count guard: priced at its capacity, a hit on a fast full worker lost to
 a cold prefill on a slow worker with slots free that answered seconds later.
 
