@@ -110,6 +110,20 @@ def _sim_worker(tmp_path: Path) -> Server:
     return start_server(f"sim-{port}", argv, port, log_dir=str(tmp_path))
 
 
+async def _learned_capacities(
+    c: httpx.AsyncClient, within_s: float, every_s: float
+) -> dict[str, object]:
+    """The capacities ``/workers`` shows once any is learned (polled every ``every_s``,
+    at most ``within_s``); empty if none was."""
+    learned: dict[str, object] = {}
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline and not learned:
+        await asyncio.sleep(every_s)
+        rows = (await c.get("/workers")).json()
+        learned = {w["url"]: w["capacity"] for w in rows if w["capacity"]}
+    return learned
+
+
 def test_router_learns_capacity_and_overflows(tmp_path: Path, processes: list[Server]) -> None:
     workers = [_sim_worker(tmp_path) for _ in range(2)]
     processes.extend(workers)
@@ -121,12 +135,7 @@ def test_router_learns_capacity_and_overflows(tmp_path: Path, processes: list[Se
         async with httpx.AsyncClient(base_url=router.url, timeout=30) as c:
             holders = asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(4)))
             # The holder runs 2 and queues 2: the next health round reads that.
-            learned: dict[str, object] = {}
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and not learned:
-                await asyncio.sleep(0.1)
-                workers_json = (await c.get("/workers")).json()
-                learned = {w["url"]: w["capacity"] for w in workers_json if w["capacity"]}
+            learned = await _learned_capacities(c, 10, 0.1)
             late = await c.post("/v1/completions", json=body)
             first = await holders
         return [r.headers["x-kvroute-worker"] for r in first] + [
@@ -168,12 +177,7 @@ def test_router_reads_an_engine_at_its_high_water_mark_between_checks(
             held = asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(4)))
             await asyncio.sleep(1.2)  # past the gap between two readings of one worker
             fifth = asyncio.ensure_future(c.post("/v1/completions", json=body))
-            learned: dict[str, object] = {}
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline and not learned:
-                await asyncio.sleep(0.05)
-                rows = (await c.get("/workers")).json()
-                learned = {w["url"]: w["capacity"] for w in rows if w["capacity"]}
+            learned = await _learned_capacities(c, 5, 0.05)
             for r in await held:
                 assert r.status_code == 200
             assert (await fifth).status_code == 200

@@ -259,7 +259,7 @@ class CacheAware(Policy):
         if work is None or pred is None:
             return None
         behind = work.queued_per_worker(loads)
-        if pred.slot.get(holder, 0.0) > 0.0:
+        if pred.slot[holder] > 0.0:
             # The holder is full: its wait for a slot is in its prediction, and its
             # stretch (the capacity itself) is no time the request waits. Stretched,
             # a hit on a fast full worker lost to a cold prefill on a slow one with
