@@ -69,6 +69,9 @@ def test_min_ttft_serves_learns_the_slow_worker_and_releases_its_work(
     assert 'kvroute_routing_decisions_total{policy="min_ttft"' in metrics
     assert "kvroute_ttft_prediction_ratio_count 14.0" in metrics
     assert "kvroute_worker_prefill_tokens_per_s" in metrics
+    # The decode line (alone, per request beside it): streamed answers taught it.
+    assert "kvroute_worker_decode_ms_per_token_per_request" in metrics
+    assert all(w["work"]["decode_ms_per_token_alone"] > 0 for w in workers.values())
     # Idle at the end: nothing in flight, so no worker's times are stretched.
     assert all(w["work"]["occupancy_stretch"] == 1.0 for w in workers.values())
     assert f'kvroute_worker_occupancy_stretch{{worker="{fast.url}"}} 1.0' in metrics

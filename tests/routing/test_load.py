@@ -106,6 +106,64 @@ def test_a_full_worker_adds_the_wait_for_a_slot() -> None:
     assert m.slot_wait("v") > 0
 
 
+def test_a_full_worker_s_slot_frees_when_its_soonest_decode_ends() -> None:
+    """The queue's j-th request waits for the j-th end among the running ones: ours
+    decoding end when their expected output is out at the learned decode speed, not
+    after an even share of a mean decode (short answers free slots early)."""
+    now = [0.0]
+    m = LoadModel()
+    m.clock = lambda: now[0]
+    m.fixed_capacity = 4
+    d = m.state("w").decode_s.value  # the prior until a decode is learned
+    tickets = [m.reserve("w", 10, out, now=0.0) for out in (61, 501, 501, 501)]
+    for t in tickets:
+        t.first_byte(0.0)
+    now[0] = 1.0
+    # A fifth request waits for the 61-token answer: 60 more tokens from t=0.
+    assert m.slot_wait("w") == pytest.approx(60 * d - 1.0)
+    # The even spread of the mean (391 tokens) would have said 1/5 of it, 2.2x longer.
+    assert (1 / 5) * 391 * d > 2 * m.slot_wait("w")
+    m.reserve("w", 10, 100, now=1.0)  # queued: the next one waits for a 500-token end
+    assert m.slot_wait("w") == pytest.approx(500 * d - 1.0)
+    # Past its expected end, an answer still needs a token: the wait never reaches 0,
+    # so a full worker always has one.
+    now[0] = 60 * d + 5.0
+    tickets[0].end(now[0], 70)
+    assert m.slot_wait("w") == pytest.approx(500 * d - now[0])
+    now[0] = 600 * d
+    assert m.slot_wait("w") == pytest.approx(m.workers["w"].decode_s.value)
+    # Requests the engine holds beyond ours (progress unknown) end spread over a mean
+    # decode, among ours.
+    m.others = {"w": 4}
+    spread = m.slot_wait("w")
+    assert 0 < spread < 500 * d
+
+
+def test_slot_waits_follow_the_decode_speed_learned_for_the_batch() -> None:
+    """A request decodes at the seconds per token learned for the batch it joined at its
+    first byte (engines step slower with more requests running), and the ends already
+    expected are re-timed when that line learns."""
+    now = [0.0]
+    m = LoadModel()
+    m.clock = lambda: now[0]
+    m.fixed_capacity = 2
+    a = m.reserve("w", 10, 101, now=0.0)
+    b = m.reserve("w", 10, 201, now=0.0)
+    a.first_byte(0.0)
+    b.first_byte(0.0)
+    assert (a.batch, b.batch) == (2, 2)
+    m.reserve("w", 10, 50, now=0.0)  # waits for a's slot; the next one for b's
+    st = m.workers["w"]
+    assert m.slot_wait("w") == pytest.approx(200 * st.decode_s.value)  # the prior
+    for batch, per in [(1, 0.02), (4, 0.05)] * 3:  # 10 ms per token + 10 per request
+        st.decode.observe(batch, per)
+    assert st.per_token(2) == pytest.approx(0.03)
+    assert m.slot_wait("w") == pytest.approx(200 * 0.03)
+    a.end(1.0, 101)  # removed whatever order it was kept in
+    b.end(1.0, 201)
+    assert st.ends == []
+
+
 def test_choices_stretch_a_worker_s_times_by_its_occupied_decode_slots() -> None:
     """1 / (1 - n / capacity): 1 while no capacity is known, growing as slots fill
     (others' requests count), the capacity itself once full (the slot wait prices the
@@ -510,3 +568,53 @@ def test_predictions_per_decision_are_the_per_worker_calls_exactly(
         assert pred.cost(w, behind) == m.cost(w, tokens, held, behind)
     for s in m.workers.values():
         assert s.prefill.samples == sum(len(b) for b in s.prefill._by_size.values())
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    outs=st.lists(st.integers(1, 2000), min_size=1, max_size=12),
+    started=st.data(),
+    waiting=st.integers(0, 14),
+    others=st.integers(0, 6),
+    cap=st.integers(1, 16),
+    now=st.floats(0.0, 50.0),
+)
+def test_slot_wait_is_the_queue_s_end_among_the_running(
+    outs: list[int], started: Any, waiting: int, others: int, cap: int, now: float
+) -> None:
+    """Against a plain reading of the rule: the running requests' expected ends (ours
+    decoding; the unknown ones spread over a mean decode; ours in prefill a whole
+    decode away), sorted; a request queued j deep waits for the j-th."""
+    m = LoadModel()
+    m.clock = lambda: now
+    m.fixed_capacity = cap
+    firsts = [started.draw(st.one_of(st.none(), st.floats(0.0, 50.0))) for _ in outs]
+    decoding = []
+    for out, first in zip(outs, firsts, strict=True):
+        t = m.reserve("w", 10, out, now=0.0)
+        if first is not None and first <= now:
+            t.first_byte(first)
+            decoding.append((first, out))
+    for _ in range(waiting):
+        m.reserve("w", 10, 100, now=0.0)
+    m.others = {"w": others}
+    st_ = m.workers["w"]
+    n = st_.requests + others
+    if n < cap:
+        assert m.slot_wait("w") == 0.0
+        return
+    d = st_.decode_s.value
+    whole = st_.decode_tokens / st_.requests * d
+    j = n - cap
+    spread = (j + 1) / (cap + 1) * whole
+    ends = [max(d, f + (out - 1) * d - now) for f, out in decoding]
+    ends += [(b + 1) / (others + 1) * whole for b in range(others)]
+    ends += [whole] * max(0, cap - len(decoding) - others)
+    ends.sort()
+    if not decoding or j >= cap:
+        expected = spread
+    elif j < len(ends):
+        expected = ends[j]
+    else:
+        expected = max(ends[-1], spread)
+    assert m.slot_wait("w") == pytest.approx(expected)

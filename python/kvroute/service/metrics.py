@@ -99,6 +99,15 @@ class _FleetCollector(Collector):
                     "Learned per-request time to first byte apart from the prefill tokens",
                 ),
                 ("decode_ms_per_token", "Learned time per output token"),
+                (
+                    "decode_ms_per_token_alone",
+                    "Learned time per output token with no other request running (the "
+                    "line that times decoding requests' ends)",
+                ),
+                (
+                    "decode_ms_per_token_per_request",
+                    "Learned time per output token added by each request running beside it",
+                ),
             )
         }
         for w in snap["workers"]:

@@ -55,7 +55,11 @@ Learned speed, per worker (so a heterogeneous fleet is told apart)
       to the share of requests that were real hits, and every long match, predicted
       right, was then taken for a mostly cold prefill.
     * decode seconds per token: at each end with a known output length,
-      ``(end - first byte) / (output tokens - 1)``, the median of the last ``WINDOW``.
+      ``(end - first byte) / (output tokens - 1)``, the median of the last ``WINDOW``
+      (shown in ``/workers``), and as a line in the batch the request decoded in
+      (``token(w, batch)``: the requests running, ours and others', at its first byte,
+      at most the capacity; a ``ResistantLine`` over batch-size classes), since an
+      engine steps slower with more requests running.
     Before ``MIN_SAMPLES`` samples a worker is assumed to prefill as the fleet's typical
     worker does (the median intercept and slope of the workers that learned), or along
     a line known from outside when one was given (``LoadModel.know``: the simulator's
@@ -84,10 +88,19 @@ The prediction (``ttft``), for a request with ``uncached`` tokens on worker ``w`
               running more than that with nothing waiting: it is larger, and then
               the fleet is not alike, so no worker not yet seen queueing is assumed
               any capacity until it queues); else the
-              request waits for (n - capacity + 1) of ``capacity`` slots to free, each
-              after a uniformly spread remaining decode time (the k-th of ``capacity``
-              running requests ends after k / (capacity + 1) of a whole decode):
-              (n - capacity + 1) / (capacity + 1) * mean_expected_output * decode_s(w)
+              request waits for the (n - capacity + 1)-th of the running requests to
+              end. Ours past their first byte end when their expected output is out:
+              first byte + (expected output - 1) * token(w, batch), batch the
+              requests running when it began to decode, and at least one token from
+              now; requests of unknown progress (others', peers') after an even
+              share of a mean decode (the k-th of m after k / (m + 1) of
+              mean_expected_output * token(w, capacity)), and ours still in prefill
+              after a whole one. Without a clock, or with the queue deeper than the
+              running requests, the k-th of ``capacity`` ends after k / (capacity +
+              1) of a mean decode. An even spread of the *mean* decode misjudged
+              both ways: short answers among the running ones free a slot much
+              sooner, and a batch decoding slower than the fleet's median request
+              later (module doc of ``LoadModel._release``; docs/policies.md)
     A worker whose engine reports its KV cache >= ``KV_FULL`` full is treated as having
     no free slot (the engine cannot admit more), with its running count as capacity.
 

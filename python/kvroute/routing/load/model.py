@@ -4,6 +4,7 @@ docstring (``kvroute.routing.load``)."""
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from statistics import median
@@ -48,6 +49,10 @@ class WorkerWork:
         default_factory=lambda: ResistantLine(1 / PRIOR_PREFILL_TPS, PRIOR_OVERHEAD_S)
     )
     decode_s: MedianEstimator = field(default_factory=lambda: MedianEstimator(PRIOR_DECODE_S))
+    # Seconds per output token against the requests running beside it (engines step
+    # slower with a larger batch): a line in the batch a request decoded in, which it
+    # joined at its first byte. Times the ends of the requests decoding (``ends``).
+    decode: ResistantLine = field(default_factory=lambda: ResistantLine(0.0, PRIOR_DECODE_S))
     engine: EngineReading | None = None
     # Share of the cached tokens the index predicts that the engine really had (from
     # usage.cached_tokens); a stale index (evictions it did not see) earns less trust.
@@ -62,6 +67,18 @@ class WorkerWork:
     # A prefill line (intercept, slope) known from outside before any sample of ours
     # (``LoadModel.know``): used in place of the fleet's line until this worker learns.
     known: tuple[float, float] | None = None
+    # Our requests past their first byte (decoding, streamed), as (expected end, first
+    # byte, output tokens still expected then, batch it decodes in, ticket id),
+    # ascending; the ends as timed by the decode line ``ends_fit`` (intercept, slope),
+    # re-timed when the line has learned since. A full worker's slot wait is read from
+    # these (``LoadModel._release``).
+    ends: list[tuple[float, float, int, int, int]] = field(default_factory=list)
+    ends_fit: tuple[float, float] = (PRIOR_DECODE_S, 0.0)
+
+    def per_token(self, batch: int) -> float:
+        """Seconds per output token with ``batch`` requests running (``decode``)."""
+        line = self.decode
+        return line.intercept + line.slope * batch
 
     def observe_reuse(self, predicted: int, reported: int, prompt: int, fleet_grain: int) -> None:
         """One request's engine reported ``reported`` cached tokens of a ``prompt``-token
@@ -89,8 +106,10 @@ class Ticket:
         "_model",
         "ahead",
         "alone",
+        "batch",
         "clean",
         "closed",
+        "end_at",
         "expected_out",
         "first_at",
         "id",
@@ -127,6 +146,8 @@ class Ticket:
         self.started = now
         self.predicted_cached = matched
         self.first_at: float | None = None
+        self.end_at: tuple[float, float, int, int, int] | None = None  # in ``state.ends``
+        self.batch = 0  # requests running when it began to decode (0: not streamed)
         self.closed = False
         # Set by whoever reads the answer's usage, for ``end``: completion_tokens, and
         # the uncached prompt tokens the engine reports (prompt - cached_tokens).
@@ -171,6 +192,12 @@ class Ticket:
         previous, ahead_id = st.last_first, st.last_first_id
         st.last_first, st.last_first_id = (now if learn else None), self.id
         if learn:
+            # Decoding from now on: it holds its slot until its expected output is out.
+            rest = max(0, self.expected_out - 1)
+            b = self.batch = self._model.running(self.worker, st)
+            line = st.ends_fit
+            self.end_at = (now + rest * (line[0] + line[1] * b), now, rest, b, self.id)
+            insort(st.ends, self.end_at)
             if self.alone:
                 self.sample = elapsed
             elif (
@@ -199,6 +226,13 @@ class Ticket:
         if st.pending.pop(self.id, None) is not None:
             st.prefill_tokens -= self.uncached
             st.since.pop(self.id, None)
+        if self.end_at is not None:
+            ends = st.ends
+            i = bisect_left(ends, self.end_at)
+            if i < len(ends) and ends[i] == self.end_at:
+                del ends[i]
+            else:  # re-timed since
+                ends.remove(next(e for e in ends if e[4] == self.id))
         st.requests -= 1
         st.decode_tokens -= self.expected_out
         self._model.changed(self.worker)
@@ -217,7 +251,10 @@ class Ticket:
         if output_tokens is not None and output_tokens > 0:
             self._model.observe_output(output_tokens)
             if self.first_at is not None and output_tokens > 1:
-                st.decode_s.observe((now - self.first_at) / (output_tokens - 1))
+                per = (now - self.first_at) / (output_tokens - 1)
+                st.decode_s.observe(per)
+                if self.batch:
+                    st.decode.observe(self.batch, per)
 
 
 def _own(st: WorkerWork, intercept: float, slope: float, uncached: int, matched: int) -> float:
@@ -521,11 +558,66 @@ class LoadModel:
         cap = self._capacity(worker, st, typical)
         if cap is None or cap < 1:
             return 0.0, 1.0
-        n = st.requests + self.others.get(worker, 0) + self.peer.get(worker, 0)
+        unknown = self.others.get(worker, 0) + self.peer.get(worker, 0)
+        n = st.requests + unknown
         if n < cap:
             return 0.0, cap / (cap - n)
+        return self._release(st, n - cap, cap, unknown), float(cap)
+
+    def running(self, worker: str, st: WorkerWork) -> int:
+        """Requests running on ``worker`` (ours and others'), at most its capacity."""
+        n = st.requests + self.others.get(worker, 0) + self.peer.get(worker, 0)
+        cap = self._capacity(worker, st)
+        return n if cap is None else max(1, min(n, cap))
+
+    def _release(self, st: WorkerWork, j: int, cap: int, unknown: int) -> float:
+        """Seconds until the ``j``-th (from 0) of a full worker's ``cap`` running
+        requests ends: the request waits for that slot (module doc). Ours past their
+        first byte end when their expected output is out, at the learned seconds per
+        token of the batch each decodes in; requests of unknown progress (``unknown``:
+        others', peers') end spread evenly over one mean decode of a full batch; the
+        rest of the running ones (ours still in prefill) after a whole one. Without a
+        clock, or with the queue deeper than the running requests, each of ``cap``
+        running requests is taken to end after a uniformly spread share of a mean
+        decode."""
+        line = st.decode
         mean_out = st.decode_tokens / st.requests if st.requests else self.mean_output
-        return (n - cap + 1) / (cap + 1) * mean_out * st.decode_s.value, float(cap)
+        token = line.intercept + line.slope * cap  # one token, in a full batch
+        whole = mean_out * token
+        spread = (j + 1) / (cap + 1) * whole
+        ends = st.ends
+        now = self._now()
+        if now is None or not ends or j >= cap:
+            return spread
+        a, k = line.intercept, line.slope
+        if st.ends_fit != (a, k):
+            ends[:] = sorted((f + r * (a + k * b), f, r, b, tid) for _, f, r, b, tid in ends)
+            st.ends_fit = (a, k)
+        prefilling = max(0, cap - len(ends) - unknown)
+        if not unknown:
+            # Only ours: the j-th of the decoding ones' ends and the prefilling ones',
+            # a whole decode away. (j < cap <= the running ones: the index is in range.)
+            sooner = bisect_left(ends, (now + whole,))
+            if j >= sooner:
+                if j < sooner + prefilling:
+                    return whole
+                j -= prefilling
+            return max(token, ends[j][0] - now)
+        i = b = 0
+        wait = 0.0
+        for _ in range(j + 1):
+            # The next to free: our earliest expected end (at least one more token away),
+            # the next of the unknown ones, or one still in prefill, whichever is sooner.
+            mine = max(token, ends[i][0] - now) if i < len(ends) else math.inf
+            theirs = (b + 1) / (unknown + 1) * whole if b < unknown else math.inf
+            later = whole if prefilling else math.inf
+            if mine <= theirs and mine <= later:
+                wait, i = mine, i + 1
+            elif theirs <= later:
+                wait, b = theirs, b + 1
+            else:  # j < cap <= the running ones: one is always left
+                wait, prefilling = later, prefilling - 1
+        return wait
 
     def stretch(self, worker: str) -> float:
         """How much a choice stretches ``worker``'s predicted times for its occupied
@@ -655,6 +747,10 @@ class LoadModel:
             "prefill_samples": st.prefill.samples,
             "decode_ms_per_token": round(st.decode_s.value * 1000, 3),
             "decode_samples": st.decode_s.samples,
+            # The line the ends of decoding requests are timed by: ms per token alone,
+            # and added per request running beside it.
+            "decode_ms_per_token_alone": round(st.decode.intercept * 1000, 3),
+            "decode_ms_per_token_per_request": round(st.decode.slope * 1000, 4),
             "index_trust": round(st.trust, 4),
         }
 
