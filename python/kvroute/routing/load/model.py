@@ -232,7 +232,7 @@ class Ticket:
             if i < len(ends) and ends[i] == self.end_at:
                 del ends[i]
             else:  # re-timed since
-                ends.remove(next(e for e in ends if e[4] == self.id))
+                ends[:] = [e for e in ends if e[4] != self.id]
         st.requests -= 1
         st.decode_tokens -= self.expected_out
         self._model.changed(self.worker)
@@ -580,16 +580,15 @@ class LoadModel:
         clock, or with the queue deeper than the running requests, each of ``cap``
         running requests is taken to end after a uniformly spread share of a mean
         decode."""
-        line = st.decode
         mean_out = st.decode_tokens / st.requests if st.requests else self.mean_output
-        token = line.intercept + line.slope * cap  # one token, in a full batch
+        token = st.per_token(cap)  # one token, in a full batch
         whole = mean_out * token
         spread = (j + 1) / (cap + 1) * whole
         ends = st.ends
         now = self._now()
         if now is None or not ends or j >= cap:
             return spread
-        a, k = line.intercept, line.slope
+        a, k = st.decode.intercept, st.decode.slope
         if st.ends_fit != (a, k):
             ends[:] = sorted((f + r * (a + k * b), f, r, b, tid) for _, f, r, b, tid in ends)
             st.ends_fit = (a, k)
