@@ -195,8 +195,7 @@ class Ticket:
             # Decoding from now on: it holds its slot until its expected output is out.
             rest = max(0, self.expected_out - 1)
             b = self.batch = self._model.running(self.worker, st)
-            line = st.ends_fit
-            self.end_at = (now + rest * (line[0] + line[1] * b), now, rest, b, self.id)
+            self.end_at = (_ends_at(now, rest, b, st.ends_fit), now, rest, b, self.id)
             insort(st.ends, self.end_at)
             if self.alone:
                 self.sample = elapsed
@@ -255,6 +254,12 @@ class Ticket:
                 st.decode_s.observe(per)
                 if self.batch:
                     st.decode.observe(self.batch, per)
+
+
+def _ends_at(first: float, rest: int, batch: int, fit: tuple[float, float]) -> float:
+    """When a request decoding since ``first`` ends: ``rest`` more tokens at the seconds
+    per token the decode line ``fit`` (intercept, slope) gives its ``batch``."""
+    return first + rest * (fit[0] + fit[1] * batch)
 
 
 def _own(st: WorkerWork, intercept: float, slope: float, uncached: int, matched: int) -> float:
@@ -558,15 +563,20 @@ class LoadModel:
         cap = self._capacity(worker, st, typical)
         if cap is None or cap < 1:
             return 0.0, 1.0
-        unknown = self.others.get(worker, 0) + self.peer.get(worker, 0)
+        unknown = self._unknown(worker)
         n = st.requests + unknown
         if n < cap:
             return 0.0, cap / (cap - n)
         return self._release(st, n - cap, cap, unknown), float(cap)
 
+    def _unknown(self, worker: str) -> int:
+        """Requests on ``worker`` that are not ours: its engine's beyond ours, and other
+        router replicas'."""
+        return self.others.get(worker, 0) + self.peer.get(worker, 0)
+
     def running(self, worker: str, st: WorkerWork) -> int:
         """Requests running on ``worker`` (ours and others'), at most its capacity."""
-        n = st.requests + self.others.get(worker, 0) + self.peer.get(worker, 0)
+        n = st.requests + self._unknown(worker)
         cap = self._capacity(worker, st)
         return n if cap is None else max(1, min(n, cap))
 
@@ -588,10 +598,10 @@ class LoadModel:
         now = self._now()
         if now is None or not ends or j >= cap:
             return spread
-        a, k = st.decode.intercept, st.decode.slope
-        if st.ends_fit != (a, k):
-            ends[:] = sorted((f + r * (a + k * b), f, r, b, tid) for _, f, r, b, tid in ends)
-            st.ends_fit = (a, k)
+        fit = (st.decode.intercept, st.decode.slope)
+        if st.ends_fit != fit:
+            ends[:] = sorted((_ends_at(f, r, b, fit), f, r, b, tid) for _, f, r, b, tid in ends)
+            st.ends_fit = fit
         prefilling = max(0, cap - len(ends) - unknown)
         if not unknown:
             # Only ours: the j-th of the decoding ones' ends and the prefilling ones',
