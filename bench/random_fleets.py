@@ -26,6 +26,8 @@ how many cases are worse or better than the rule by more than 5% and 10%, and th
 cases. ``--json PATH`` writes every row; ``--summarize`` prints the summary of rows
 written before (several files merged). ``--learn-at-polls``: capacities learned only at
 the router's engine polls, as ``serve`` learns them, not the moment a worker queues.
+``--capacity-reported``: every engine tells its capacity from the start, as SGLang's
+``/get_server_info`` does (``serve`` reads it; vLLM's must be learned).
 
     python bench/random_fleets.py                          # cases 0-59, as the study
     python bench/random_fleets.py --cases 7 --loads 0.8     # one case again
@@ -188,6 +190,12 @@ def main() -> int:
         action="store_true",
         help="capacities learned only at the router's engine polls, as serve learns them",
     )
+    ap.add_argument(
+        "--capacity-reported",
+        action="store_true",
+        help="every engine tells its capacity from the start, as SGLang's /get_server_info "
+        "does and serve reads it (vLLM's are learned)",
+    )
     ap.add_argument("--json", default=None, help="write every row here")
     ap.add_argument(
         "--summarize",
@@ -221,6 +229,8 @@ def main() -> int:
         case = draw(a.seed, i)
         if a.learn_at_polls:
             case.cfg = replace(case.cfg, learn_at_polls=True)
+        if a.capacity_reported:
+            case.cfg = replace(case.cfg, capacity_reported=True)
         prep = prepare(case.requests, case.cfg.block_size)
         tps = sum(c.prefill_tokens_per_s for c in case.cfg.costs())
         r0 = tps / (prep.prompt_tokens / len(prep.requests)) / 4

@@ -138,6 +138,8 @@ SGLANG_INFO = {
     "disable_radix_cache": True,
     "kv_events_config": None,
     "enable_metrics": False,
+    "max_running_requests": None,
+    "internal_states": [{"last_gen_throughput": 0.0, "effective_max_running_requests_per_dp": 128}],
     "version": "0.5.4",
 }
 
@@ -162,6 +164,7 @@ async def test_sglang_settings_are_read_from_server_info() -> None:
     assert "--disable-radix-cache" in f["prefix_cache"].fix
     assert f["kv_events"].status == "info" and "--kv-events-config" in f["kv_events"].fix
     assert "--enable-metrics" in f["metrics"].fix
+    assert f["capacity"].status == "ok" and "128 requests at once" in f["capacity"].detail
     assert "--enable-cache-report" in f["cached_tokens"].fix
     assert f["clock"].status == "warn"
     assert f["tokenizer"].status == "info"  # no /tokenize: said so, not compared

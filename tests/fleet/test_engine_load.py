@@ -13,7 +13,12 @@ import pytest
 from kvroute._native import PrefixIndex
 from kvroute.config import ConfigError, parse_worker_capacity
 from kvroute.eval.procs import Server, free_port, kvroute_argv, start_server
-from kvroute.fleet.engine_load import CapacityLearner, parse_engine_load
+from kvroute.fleet.engine_load import (
+    REPORT_ATTEMPTS,
+    CapacityLearner,
+    parse_engine_load,
+    parse_sglang_capacity,
+)
 from kvroute.routing.policies import RouteRequest, create_policy
 from kvroute.sim.cost import CostModel
 from kvroute.sim.fleet import FleetConfig, compare
@@ -30,6 +35,15 @@ vllm:num_requests_waiting_by_reason{reason="capacity"} 9.0
 vllm:kv_cache_usage_perc{engine="0"} 0.5
 """
 SGLANG = b'sglang:num_running_reqs{model_name="m"} 8\nsglang:num_queue_reqs{model_name="m"} 0\n'
+# SGLang's GET /get_server_info, trimmed to what matters here (the shape of SGLang's
+# documented answer: server arguments, then the schedulers' states per data-parallel
+# rank, then the version).
+SGLANG_SERVER_INFO = (
+    b'{"model_path":"Qwen/Qwen3-8B","max_running_requests":null,"dp_size":1,'
+    b'"max_total_num_tokens":20480,"internal_states":[{"last_gen_throughput":357.2,'
+    b'"memory_usage":{"weight":0.98,"kvcache":0.23,"token_capacity":20480,"graph":0.57},'
+    b'"effective_max_running_requests_per_dp":128}],"version":"0.5.4"}'
+)
 
 
 def test_parse_engine_load() -> None:
@@ -38,6 +52,53 @@ def test_parse_engine_load() -> None:
     assert parse_engine_load(b"# nothing here\nother_metric 3\n") is None
     assert parse_engine_load(b"vllm:num_requests_running NaN\n") is None
     assert parse_engine_load(b"\xff\xfe garbage") is None
+
+
+def test_parse_sglang_capacity() -> None:
+    assert parse_sglang_capacity(SGLANG_SERVER_INFO) == 128
+    two_ranks = (
+        b'{"dp_size":2,"internal_states":[{"effective_max_running_requests_per_dp":64},'
+        b'{"effective_max_running_requests_per_dp":64}]}'
+    )
+    assert parse_sglang_capacity(two_ranks) == 128, "summed over data-parallel ranks"
+    # Older versions: no derived value in the states, the server argument when set.
+    assert parse_sglang_capacity(b'{"max_running_requests":48,"internal_states":[{}]}') == 48
+    assert parse_sglang_capacity(b'{"max_running_requests":48}') == 48
+    for unknown in (
+        b'{"max_running_requests":null,"internal_states":[{}]}',  # not set, not derived
+        b'{"internal_states":[{"effective_max_running_requests_per_dp":true}]}',
+        b'{"max_running_requests":0}',
+        b'{"max_running_requests":"64"}',
+        b'{"detail":"Not Found"}',  # vLLM
+        b"[1, 2]",
+        b"not json",
+    ):
+        assert parse_sglang_capacity(unknown) is None, unknown
+    # One rank without the value: the sum would be short, so the server argument.
+    partial = (
+        b'{"max_running_requests":96,"internal_states":'
+        b'[{"effective_max_running_requests_per_dp":64},{}]}'
+    )
+    assert parse_sglang_capacity(partial) == 96
+
+
+def test_a_reported_capacity_stands_and_is_asked_a_bounded_number_of_times() -> None:
+    learner = CapacityLearner()
+    asks = 0
+    while learner.wants_report("vllm") and asks < 100:
+        asks += 1
+    assert asks == REPORT_ATTEMPTS, "an engine that never tells is asked a few times only"
+    assert learner.wants_report("sglang")
+    learner.report("sglang", 32)
+    assert not learner.wants_report("sglang")
+    assert learner.capacities == {"sglang": 32}
+    learner.observe("sglang", 12, 3)  # a queue below it (KV memory short) keeps it
+    learner.observe("sglang", 40, 0)
+    assert learner.capacities == {"sglang": 32} and learner.floors == {"sglang": 40}
+    learner.forget("sglang")  # it may come back configured otherwise: asked again
+    learner.forget("vllm")
+    assert learner.capacities == {} and learner.reported == {}
+    assert learner.wants_report("sglang") and learner.wants_report("vllm")
 
 
 def test_learner_needs_queueing_and_keeps_the_largest() -> None:
@@ -102,10 +163,19 @@ def test_simulated_hot_spots_go_away_when_capacity_is_learned() -> None:
     assert auto.max_load / auto.mean_load < off.max_load / off.mean_load
 
 
-def _sim_worker(tmp_path: Path) -> Server:
+def _sim_worker(tmp_path: Path, max_batch: int = 2, *, reports: bool = False) -> Server:
+    """A sim worker running ``max_batch`` requests at once; ``reports``: its
+    /get_server_info tells that number (as SGLang's), else not (as vLLM's)."""
     port = free_port()
     argv = kvroute_argv(
-        "sim-worker", "--port", str(port), "--max-batch", "2", "--decode-ms-per-token", "100"
+        "sim-worker",
+        "--port",
+        str(port),
+        "--max-batch",
+        str(max_batch),
+        "--decode-ms-per-token",
+        "100",
+        *(() if reports else ("--hide-max-running",)),
     )
     return start_server(f"sim-{port}", argv, port, log_dir=str(tmp_path))
 
@@ -156,6 +226,59 @@ def test_router_learns_capacity_and_overflows(tmp_path: Path, processes: list[Se
     assert all(w["capacity_floor"] in (None, 1, 2) for w in workers_json)
 
 
+def test_router_reads_the_capacity_each_engine_reports_before_any_request(
+    tmp_path: Path, processes: list[Server]
+) -> None:
+    """Engines that tell how many requests they run at once (SGLang's /get_server_info)
+    have that capacity from the start, each its own; one that does not (vLLM) has none
+    until it is seen queueing. The guard passes over a full holder at once: nothing had
+    to queue first."""
+    small, large = _sim_worker(tmp_path, 2, reports=True), _sim_worker(tmp_path, 3, reports=True)
+    silent = _sim_worker(tmp_path, 2)
+    processes.extend((small, large, silent))
+    router = start_router([small.url, large.url, silent.url], tmp_path)
+    processes.append(router)
+    rows = {w["url"]: w for w in httpx.get(router.url + "/workers").json()}
+    assert {u: (w["capacity"], w["capacity_source"]) for u, w in rows.items()} == {
+        small.url: (2, "reported"),
+        large.url: (3, "reported"),
+        silent.url: (None, None),
+    }
+
+    async def run() -> list[str]:
+        async with httpx.AsyncClient(base_url=router.url, timeout=30) as c:
+            # New prefixes go to the idle workers in turn: take the first whose holder
+            # reported its capacity.
+            for k in range(3):
+                body = {"model": "sim", "prompt": list(range(k * 1000 + 1, k * 1000 + 257))}
+                first = await c.post("/v1/completions", json={**body, "max_tokens": 1})
+                holder = first.headers["x-kvroute-worker"]
+                if holder != silent.url:
+                    break
+            # Fill the holder to its capacity with the same prefix, then one more.
+            held = [
+                asyncio.ensure_future(c.post("/v1/completions", json={**body, "max_tokens": 30}))
+                for _ in range(rows[holder]["capacity"])
+            ]
+            await asyncio.sleep(0.5)
+            late = await c.post("/v1/completions", json={**body, "max_tokens": 1})
+            answers = await asyncio.gather(*held)
+        return (
+            [holder]
+            + [r.headers["x-kvroute-worker"] for r in answers]
+            + [late.headers["x-kvroute-worker"]]
+        )
+
+    chosen = asyncio.run(run())
+    holder = chosen[0]
+    assert holder != silent.url
+    assert chosen[:-1] == [holder] * (len(chosen) - 1), "the prefix sticks to its holder"
+    assert chosen[-1] != holder, "the holder, full by its own report, is passed over"
+    assert 'reason="overflow"' in httpx.get(router.url + "/metrics").text
+    rows = {w["url"]: w for w in httpx.get(router.url + "/workers").json()}
+    assert all(w["in_flight"] == 0 for w in rows.values())
+
+
 def test_router_reads_an_engine_at_its_high_water_mark_between_checks(
     tmp_path: Path, processes: list[Server]
 ) -> None:
@@ -173,9 +296,12 @@ def test_router_reads_an_engine_at_its_high_water_mark_between_checks(
     async def run() -> dict[str, object]:
         async with httpx.AsyncClient(base_url=router.url, timeout=30) as c:
             # 4 requests of about 3 s of decode each: the worker runs 2 and queues 2.
-            # The first reading (at the first request) found it idle.
-            held = asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(4)))
-            await asyncio.sleep(1.2)  # past the gap between two readings of one worker
+            # The first reading (at the first request) finds it running that one;
+            # the three after it come within a second of that reading.
+            first = asyncio.ensure_future(c.post("/v1/completions", json=body))
+            await asyncio.sleep(0.3)
+            held = asyncio.gather(first, *(c.post("/v1/completions", json=body) for _ in range(3)))
+            await asyncio.sleep(1.0)  # past the gap between two readings of one worker
             fifth = asyncio.ensure_future(c.post("/v1/completions", json=body))
             learned = await _learned_capacities(c, 5, 0.05)
             for r in await held:

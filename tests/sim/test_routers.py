@@ -350,6 +350,41 @@ def test_one_larger_worker_seen_running_more_does_not_become_a_sink() -> None:
     assert row["work"].hit_rate >= row["requests"].hit_rate - 0.03
 
 
+def test_capacities_the_engines_report_keep_larger_workers_from_looking_full() -> None:
+    """Sixteen workers, four with 16 decode slots and twelve with 32; multi-turn chat
+    with log-normal answers, at a rate where the large ones never run more than 16.
+    Learned at the router's polls, the small ones queue first and the large ones, never
+    seen running more, are taken for their size: at 15 of an assumed 16 their hits are
+    stretched 16x and go cold elsewhere (p99 several times the rule's). Reported by the
+    engines from the start (SGLang's /get_server_info, as ``serve`` reads it), each
+    worker is its own size."""
+    from kvroute.sim.workloads import multiturn
+
+    reqs = multiturn(64, 14, 500, 100, 400, sigma=0.3, seed=1, arrivals="poisson", rate=19.0)
+    rng = np.random.default_rng(1)
+    for r in reqs:  # log-normal answers around 400 tokens
+        r.output_len = int(min(3200, max(4, rng.lognormal(np.log(400), 0.8))))
+    prep = prepare(reqs, 16)
+    costs = (CostModel(max_batch=16),) * 4 + (CostModel(),) * 12
+
+    def row(reported: bool, metric: str) -> ResultRow:
+        cfg = FleetConfig(
+            workers=16,
+            worker_costs=costs,
+            learn_capacity=True,
+            learn_at_polls=True,
+            capacity_reported=reported,
+            policy_settings={"seed": 0, "load_metric": metric},
+        )
+        return simulate(prep, "cache_aware", cfg)
+
+    learned, reported, rule = row(False, "work"), row(True, "work"), row(True, "requests")
+    assert reported.ttft_p99 < 0.5 * learned.ttft_p99
+    assert reported.ttft_p99 <= 1.1 * rule.ttft_p99
+    assert reported.hit_rate >= learned.hit_rate
+    assert reported.extra["decisions"].get("overflow", 0) < learned.extra["decisions"]["overflow"]
+
+
 def test_the_simulated_routers_work_model_reads_virtual_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

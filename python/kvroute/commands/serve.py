@@ -119,10 +119,11 @@ def configure(p: argparse.ArgumentParser) -> None:
         metavar="auto|off|N",
         help="cache_aware saturation guard: a cache holder already running as many "
         "requests as it can is passed over, so a hot prefix grows a second home instead "
-        "of a queue. auto (default): each worker's capacity is learned from its engine's "
-        "/metrics (vLLM/SGLang running and waiting counts, read with each health check) "
-        "once it is seen queueing; N: the engines' max running batch, for every worker; "
-        "off: SGLang's rule alone",
+        "of a queue. auto (default): each worker's capacity as its engine reports it "
+        "(SGLang's /get_server_info, read at its first health check), else learned from "
+        "its /metrics (vLLM/SGLang running and waiting counts, read with each health "
+        "check) once it is seen queueing; N: the engines' max running batch, for every "
+        "worker; off: SGLang's rule alone",
     )
     g.add_argument(
         "--load-metric",

@@ -98,6 +98,13 @@ def configure(p: argparse.ArgumentParser) -> None:
         "`kvroute doctor` on a worker configured wrong",
     )
     p.add_argument(
+        "--hide-max-running",
+        action="store_true",
+        help="answer /get_server_info without how many requests run at once (SGLang "
+        "tells it; vLLM publishes no max_num_seqs): the router learns the worker's "
+        "capacity from its queueing instead",
+    )
+    p.add_argument(
         "--kv-events-endpoint",
         default=None,
         help="publish vLLM KV events on this ZMQ endpoint (tcp://*:5557 binds, "
@@ -153,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
             stream_interval=args.stream_interval,
             output_blocks=args.output_blocks,
             prefix_caching=not args.no_prefix_cache,
+            reports_max_running=not args.hide_max_running,
         ).validate()
     except ValueError as e:
         print(f"kvroute sim-worker: {e}", file=sys.stderr)

@@ -1,11 +1,18 @@
-"""Learning each worker's capacity from the load its engine reports.
+"""Each worker's capacity: reported by its engine, or learned from the load it reports.
 
 cache_aware's saturation guard passes over a cache holder that already runs as many
 requests as it can, so a hot prefix grows a second home instead of a queue. It needs
 each worker's capacity: how many requests the engine runs at once before new ones wait
 (vLLM's ``max_num_seqs`` or its KV-cache limit, SGLang's ``max_running_requests``).
-Engines do not publish that number over HTTP, but they do publish their running and
-waiting counts in Prometheus ``/metrics``. A worker seen with requests waiting is
+
+SGLang publishes it: ``GET /get_server_info`` carries, per data-parallel rank, the
+scheduler's ``effective_max_running_requests_per_dp`` in ``internal_states`` (the
+``max_running_requests`` server argument, when set, in older versions). Read once when
+a worker is first seen healthy (``parse_sglang_capacity``), it is the worker's capacity
+from its first request on, each worker its own size.
+
+vLLM does not publish ``max_num_seqs`` over HTTP, but every engine publishes its running
+and waiting counts in Prometheus ``/metrics``. A worker seen with requests waiting is
 running all it can, so its running count at that moment is its capacity; the largest
 such count seen is kept (a momentary KV-cache limit may show a smaller one first).
 Until a worker has been seen queueing, it has no capacity and the guard leaves it be:
@@ -18,6 +25,9 @@ was seen running more.
 from __future__ import annotations
 
 import re
+from typing import TypeGuard
+
+import orjson
 
 # vLLM and SGLang gauge names for running and waiting requests.
 _GAUGES = re.compile(
@@ -68,6 +78,44 @@ def parse_kv_usage(text: bytes) -> float | None:
     return best
 
 
+_PER_RANK = "effective_max_running_requests_per_dp"
+
+
+def parse_sglang_capacity(body: bytes) -> int | None:
+    """Requests an SGLang server runs at once, from the body of its
+    ``GET /get_server_info`` (``sglang_capacity``); None if it is not JSON."""
+    try:
+        return sglang_capacity(orjson.loads(body))
+    except orjson.JSONDecodeError:
+        return None
+
+
+def sglang_capacity(info: object) -> int | None:
+    """Requests an SGLang server runs at once, from its parsed ``/get_server_info``:
+    the sum over its data-parallel ranks (``internal_states``) of each one's
+    ``effective_max_running_requests_per_dp``; without those (older versions), the
+    ``max_running_requests`` server argument when it was set. None when neither is a
+    positive integer (vLLM, which has no such endpoint; an engine still loading)."""
+    if not isinstance(info, dict):
+        return None
+    states = info.get("internal_states")
+    if isinstance(states, list) and states:
+        total = 0
+        for state in states:
+            per = state.get(_PER_RANK) if isinstance(state, dict) else None
+            if not _positive(per):
+                break  # a rank without it: the sum would fall short
+            total += per
+        else:
+            return total
+    value = info.get("max_running_requests")
+    return value if _positive(value) else None
+
+
+def _positive(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 def others_load(running: int, waiting: int, own: int) -> int:
     """Requests an engine holds that this router did not send (other router replicas',
     clients that bypass it), from one /metrics reading and this router's in-flight
@@ -76,23 +124,54 @@ def others_load(running: int, waiting: int, own: int) -> int:
     return max(0, running + waiting - own)
 
 
-class CapacityLearner:
-    """Per-worker capacity learned from (running, waiting) observations.
+# Readings of /get_server_info tried per worker appearance before its capacity is left
+# to learning (vLLM answers 404: three requests per worker, once).
+REPORT_ATTEMPTS = 3
 
-    ``capacities``: what an engine was seen running while requests waited (it runs no
-    more at once). ``floors``: the most it was seen running with nothing waiting (it runs
-    at least that many), kept for the workers not yet seen queueing, whose capacity the
-    work model otherwise takes from the others (``LoadModel.typical_capacity``): a worker
-    seen running more than that is not like them. A worker seen running more than its
-    learned capacity with nothing waiting (its engine was reconfigured, or was short of
-    KV memory when it queued) has the larger count learned instead."""
+
+class CapacityLearner:
+    """Per-worker capacity, reported (``report``) or learned from (running, waiting)
+    observations.
+
+    ``capacities``: what an engine reported it runs at once, else what it was seen
+    running while requests waited (it runs no more at once). ``floors``: the most it was
+    seen running with nothing waiting (it runs at least that many), kept for the workers
+    not yet seen queueing, whose capacity the work model otherwise takes from the others
+    (``LoadModel.typical_capacity``): a worker seen running more than that is not like
+    them. A worker seen running more than its learned capacity with nothing waiting (its
+    engine was reconfigured, or was short of KV memory when it queued) has the larger
+    count learned instead; a reported capacity stands."""
 
     def __init__(self) -> None:
         self.capacities: dict[str, int] = {}
         self.floors: dict[str, int] = {}
+        self.reported: dict[str, int] = {}
+        self._asked: dict[str, int] = {}
+
+    def wants_report(self, worker: str) -> bool:
+        """Is ``worker``'s engine to be asked for its capacity (not reported yet, fewer
+        than ``REPORT_ATTEMPTS`` readings tried since it appeared)? Counts the ask."""
+        if worker in self.reported:
+            return False
+        asked = self._asked.get(worker, 0)
+        if asked >= REPORT_ATTEMPTS:
+            return False
+        self._asked[worker] = asked + 1
+        return True
+
+    def report(self, worker: str, capacity: int) -> None:
+        """The engine says it runs ``capacity`` requests at once: its capacity from now
+        on. A queue below it (KV memory short) does not lower it; the work model reads
+        a full KV cache itself."""
+        self.reported[worker] = capacity
+        self.capacities[worker] = capacity
 
     def observe(self, worker: str, running: int, waiting: int) -> None:
         if running <= 0:
+            return
+        if worker in self.reported:
+            if running > self.floors.get(worker, 0):
+                self.floors[worker] = running
             return
         cap = self.capacities.get(worker, 0)
         if waiting > 0:
@@ -108,3 +187,5 @@ class CapacityLearner:
         """A worker left or restarted: its engine may come back configured otherwise."""
         self.capacities.pop(worker, None)
         self.floors.pop(worker, None)
+        self.reported.pop(worker, None)
+        self._asked.pop(worker, None)

@@ -7,7 +7,9 @@ it takes no traffic until its first check answers. A check that times out while 
 request has waited on the worker a whole interval without an answer marks it down at
 once (hung: alive enough to accept connections, answering nothing). With the
 saturation guard on, a healthy worker's ``/metrics`` is read right after: its
-running/waiting counts feed the capacity learner and the load its engine holds beyond
+capacity from SGLang's ``/get_server_info`` the first time (``kvroute.fleet.engine_load``;
+up to three tries, vLLM has no such endpoint), its running/waiting counts, which feed the
+capacity learner and the load its engine holds beyond
 this router's own requests (``kvroute.fleet.engine_load``), and, with its KV cache
 usage, the work model's view of the engine (``kvroute.routing.load``). The models a healthy
 worker serves are read from its ``/v1/models`` after each check (``kvroute.fleet.models``).
@@ -38,6 +40,7 @@ from kvroute.fleet.engine_load import (
     others_load,
     parse_engine_load,
     parse_kv_usage,
+    parse_sglang_capacity,
 )
 from kvroute.fleet.models import parse_models
 from kvroute.fleet.registry import Registry
@@ -56,6 +59,24 @@ class Checked(Protocol):
     polls_engine: bool
     others: dict[str, int]
     work: LoadModel
+
+
+async def read_reported_capacity(state: Checked, url: str) -> None:
+    """Ask ``url``'s engine how many requests it runs at once (SGLang's
+    ``/get_server_info``), unless it told already or was asked enough times."""
+    learner = state.capacity
+    if learner is None or not learner.wants_report(url):
+        return
+    try:
+        r = await state.client.get(
+            url + "/get_server_info", timeout=state.settings.health_check_timeout_secs
+        )
+    except httpx.HTTPError:
+        return
+    capacity = parse_sglang_capacity(r.content) if r.status_code == 200 else None
+    if capacity is not None and url in state.registry.workers:
+        learner.report(url, capacity)
+        log.info("%s reports it runs %d requests at once", url, capacity)
 
 
 async def poll_engine_load(state: Checked, url: str) -> None:
@@ -185,6 +206,7 @@ async def check_worker(state: Checked, url: str) -> None:
         await refresh_models(state, url)
     registry.record_check(url, r.status_code == 200, f"HTTP {r.status_code}")
     if state.polls_engine and r.status_code == 200:
+        await read_reported_capacity(state, url)
         await poll_engine_load(state, url)
 
 
@@ -197,6 +219,8 @@ async def check_all(state: Checked) -> None:
 
 
 async def health_loop(state: Checked) -> None:
+    """A round every ``health_check_interval_secs``, the first one interval after the
+    start-up's (``check_all``, awaited before the router serves)."""
     while True:
-        await check_all(state)
         await asyncio.sleep(state.settings.health_check_interval_secs)
+        await check_all(state)

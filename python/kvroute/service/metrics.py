@@ -63,7 +63,7 @@ class _FleetCollector(Collector):
         )
         capacity = GaugeMetricFamily(
             "kvroute_worker_capacity",
-            "Requests a worker runs at once before it queues (fixed or learned; "
+            "Requests a worker runs at once before it queues (fixed, reported or learned; "
             "absent while unknown)",
             labels=["worker"],
         )

@@ -117,6 +117,7 @@ class RouterState:
                 "half_open": w.half_open and now >= w.circuit_open_until,
                 "mode": self.events.mode(w.url) if self.events is not None else "approximate",
                 "capacity": self.worker_capacity(w.url),
+                "capacity_source": self.capacity_source(w.url),
                 # The most its engine was seen running with nothing waiting (learned).
                 "capacity_floor": (
                     self.capacity.floors.get(w.url) if self.capacity is not None else None
@@ -147,6 +148,17 @@ class RouterState:
         if self.settings.worker_capacity is not None:
             return self.settings.worker_capacity
         return self.capacity.capacities.get(url) if self.capacity is not None else None
+
+    def capacity_source(self, url: str) -> str | None:
+        """Where ``worker_capacity`` comes from: ``fixed`` (--worker-capacity N),
+        ``reported`` (the engine's /get_server_info), ``learned`` (seen queueing), or
+        None (unknown)."""
+        if self.settings.worker_capacity is not None:
+            return "fixed"
+        learner = self.capacity
+        if learner is None or url not in learner.capacities:
+            return None
+        return "reported" if url in learner.reported else "learned"
 
 
 def _task_count() -> int:

@@ -77,6 +77,9 @@ class SimConfig:
     # vLLM with --no-enable-prefix-caching): lets `kvroute doctor` be tested on a fleet
     # configured wrong.
     prefix_caching: bool = True
+    # /get_server_info tells how many requests run at once, as SGLang's does; off: it
+    # does not, as vLLM publishes no max_num_seqs (the router learns it from queueing).
+    reports_max_running: bool = True
 
     def validate(self) -> SimConfig:
         if self.time_scale <= 0:

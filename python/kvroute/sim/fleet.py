@@ -99,6 +99,10 @@ class FleetConfig:
     # assumes the largest learned on another (none: no wait for a slot there).
     learn_capacity: bool = False
     learn_at_polls: bool = False
+    # With ``learn_capacity``: every engine tells its capacity from the start, as
+    # SGLang's /get_server_info does (serve reads it at a worker's first check); the
+    # learning above then only matters for engines that do not (vLLM).
+    capacity_reported: bool = False
     # Generated tokens take cache blocks (vLLM); off: only prompts are cached.
     output_blocks: bool = True
     # What the approximate index cannot see (kvroute.sim.routers): independent router
@@ -258,6 +262,9 @@ def simulate(
         heartbeat_s=cfg.state_store_heartbeat_s,
     )
     costs = cfg.costs()
+    if learner is not None and cfg.capacity_reported:
+        for wname, cost in zip(names, costs, strict=True):
+            learner.report(wname, cost.max_batch)
     if cfg.known_speeds:
         for model in tier.work:
             for wname, cost in zip(names, costs, strict=True):

@@ -58,12 +58,21 @@ def model_info(c: SimConfig) -> dict[str, Any]:
 
 
 def server_info(c: SimConfig) -> dict[str, Any]:
+    # SGLang's shape: the server arguments (``max_running_requests`` as if set on the
+    # command line), then per data-parallel rank the scheduler's state, whose
+    # ``effective_max_running_requests_per_dp`` is what it runs at once.
+    running = c.cost.max_batch if c.reports_max_running else None
+    state: dict[str, Any] = {"last_gen_throughput": 0.0}
+    if running is not None:
+        state["effective_max_running_requests_per_dp"] = running
     return {
         "model_path": c.model,
         "tokenizer_path": c.tokenizer,
         "page_size": c.block_size,
         "max_total_num_tokens": c.capacity_tokens,
-        "max_running_requests": c.cost.max_batch,
+        "max_running_requests": running,
+        "dp_size": 1,
+        "internal_states": [state],
         "context_length": c.max_model_len,
         "time_scale": c.time_scale,
         "prefill_tokens_per_s": c.cost.prefill_tokens_per_s,

@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 
+from kvroute.fleet.engine_load import sglang_capacity
 from kvroute.fleet.probe.report import (
     SAMPLE_CHAT,
     SAMPLE_TEXT,
@@ -72,11 +73,21 @@ def sglang_settings(rep: WorkerReport, info: dict[str, Any]) -> None:
             "KV events off (approximate mode only)",
             f"for precise mode: start SGLang with {SGLANG_EVENTS}",
         )
+    capacity = sglang_capacity(info)
+    if capacity is not None:
+        rep.add("capacity", "ok", f"runs {capacity} requests at once (server_info)")
+    else:
+        rep.add(
+            "capacity",
+            "info",
+            "server_info does not say how many requests it runs at once: learned from "
+            "its queueing instead",
+        )
     if info.get("enable_metrics") is False:
         rep.add(
             "metrics",
             "warn",
-            "metrics off: the saturation guard cannot learn the worker's capacity",
+            "metrics off: the router cannot see its load (running, waiting, KV usage)",
             "start SGLang with --enable-metrics",
         )
 
