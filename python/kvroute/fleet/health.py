@@ -61,19 +61,23 @@ class Checked(Protocol):
     work: LoadModel
 
 
+async def _read(state: Checked, url: str, path: str) -> bytes | None:
+    """The body of ``GET url+path`` if it answers 200 within the health check timeout."""
+    try:
+        r = await state.client.get(url + path, timeout=state.settings.health_check_timeout_secs)
+    except httpx.HTTPError:
+        return None
+    return r.content if r.status_code == 200 else None
+
+
 async def read_reported_capacity(state: Checked, url: str) -> None:
     """Ask ``url``'s engine how many requests it runs at once (SGLang's
     ``/get_server_info``), unless it told already or was asked enough times."""
     learner = state.capacity
     if learner is None or not learner.wants_report(url):
         return
-    try:
-        r = await state.client.get(
-            url + "/get_server_info", timeout=state.settings.health_check_timeout_secs
-        )
-    except httpx.HTTPError:
-        return
-    capacity = parse_sglang_capacity(r.content) if r.status_code == 200 else None
+    body = await _read(state, url, "/get_server_info")
+    capacity = parse_sglang_capacity(body) if body is not None else None
     if capacity is not None and url in state.registry.workers:
         learner.report(url, capacity)
         log.info("%s reports it runs %d requests at once", url, capacity)
@@ -82,13 +86,10 @@ async def read_reported_capacity(state: Checked, url: str) -> None:
 async def poll_engine_load(state: Checked, url: str) -> None:
     """Read ``url``'s running/waiting counts from its /metrics: the learner's capacity
     and the load its engine holds beyond this router's requests."""
-    try:
-        r = await state.client.get(
-            url + "/metrics", timeout=state.settings.health_check_timeout_secs
-        )
-    except httpx.HTTPError:
+    body = await _read(state, url, "/metrics")
+    if body is None:
         return
-    load = parse_engine_load(r.content) if r.status_code == 200 else None
+    load = parse_engine_load(body)
     if load is None:
         return
     if state.capacity is not None:
@@ -98,7 +99,7 @@ async def poll_engine_load(state: Checked, url: str) -> None:
         # Other routers' requests sharing their load are in the loads already.
         routed = worker.in_flight + state.registry.peer_load.get(url, 0)
         state.others[url] = others_load(*load, routed)
-        state.work.observe_engine(url, *load, parse_kv_usage(r.content))
+        state.work.observe_engine(url, *load, parse_kv_usage(body))
 
 
 # At most one edge read per worker this often (seconds): a worker at its high-water
