@@ -244,6 +244,7 @@ def test_router_reads_the_capacity_each_engine_reports_before_any_request(
         large.url: (3, "reported"),
         silent.url: (None, None),
     }
+    assert "2 (reported)" in httpx.get(router.url + "/status").text
 
     async def run() -> list[str]:
         async with httpx.AsyncClient(base_url=router.url, timeout=30) as c:

@@ -173,6 +173,14 @@ def _work_cells(work: dict[str, Any] | None) -> list[Any]:
     ]
 
 
+def _capacity(w: dict[str, Any]) -> str:
+    """The guard's capacity and where it came from (``-`` while unknown)."""
+    if w["capacity"] is None:
+        return "-"
+    source = w.get("capacity_source")
+    return f"{w['capacity']} ({source})" if source else str(w["capacity"])
+
+
 def _health(w: dict[str, Any]) -> str:
     if w["healthy"] is None:
         return "unknown (first health check pending)"
@@ -226,7 +234,7 @@ def render(
             _health(w),
             w["mode"],
             w["in_flight"],
-            w["capacity"] if w["capacity"] is not None else "-",
+            _capacity(w),
             f"{w['cached_tokens']:,}",
             w["requests_served"],
             w["failures"],
