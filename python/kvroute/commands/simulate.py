@@ -77,9 +77,10 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         metavar="auto|off|N",
         help="cache_aware saturation guard: a cache holder with this many requests in "
-        "flight is passed over. auto (default, as serve): each worker's capacity is "
-        "learned when it is first seen queueing (here: at once; serve: at its next "
-        "/metrics poll); off: SGLang's rule alone; N: fixed",
+        "flight is passed over. auto (default, as serve in front of vLLM): each "
+        "worker's capacity is learned when it is first seen queueing (here: at once; "
+        "serve: at its next /metrics poll; SGLang engines report theirs from the "
+        "start); off: SGLang's rule alone; N: fixed",
     )
 
 
