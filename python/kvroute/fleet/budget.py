@@ -32,6 +32,8 @@ from typing import Protocol
 import httpx
 import orjson
 
+from kvroute.fleet.engine_load import positive_int
+
 log = logging.getLogger("kvroute.fleet.budget")
 
 BYTES_PER_TOKEN = 4
@@ -66,9 +68,7 @@ def parse_sglang_server_info(body: bytes) -> int | None:
     except orjson.JSONDecodeError:
         return None
     value = info.get("max_total_num_tokens") if isinstance(info, dict) else None
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    return None
+    return value if positive_int(value) else None
 
 
 class Budgeted(Protocol):

@@ -103,16 +103,17 @@ def sglang_capacity(info: object) -> int | None:
         total = 0
         for state in states:
             per = state.get(_PER_RANK) if isinstance(state, dict) else None
-            if not _positive(per):
+            if not positive_int(per):
                 break  # a rank without it: the sum would fall short
             total += per
         else:
             return total
     value = info.get("max_running_requests")
-    return value if _positive(value) else None
+    return value if positive_int(value) else None
 
 
-def _positive(value: object) -> TypeGuard[int]:
+def positive_int(value: object) -> TypeGuard[int]:
+    """An int above 0, not a bool (JSON from an engine)."""
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
