@@ -24,12 +24,65 @@ import httpx
 LOOPBACK = "127.0.0.1"
 
 
+# Ports handed out lie below the kernel's ephemeral range: a port taken from that range
+# (bind to port 0) can be claimed by any outgoing connection between the check and the
+# child's own bind, which under a parallel test run happens. Below it only listeners
+# compete, and each pytest-xdist worker draws from its own slice.
+_POOL_FLOOR = 10000
+_EPHEMERAL_DEFAULT = (32768, 60999)
+_next_port: int | None = None
+
+
+def _ephemeral_floor() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _EPHEMERAL_DEFAULT[0]
+
+
+def _port_slice() -> range | None:
+    """This process's share of the ports below the ephemeral range (None: too few)."""
+    top = _ephemeral_floor()
+    if top - _POOL_FLOOR < 1000:
+        return None
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    index = worker[2:] if worker.startswith("gw") else ""
+    if not (index.isdigit() and count.isdigit() and int(count) > int(index)):
+        return range(_POOL_FLOOR, top)
+    width = (top - _POOL_FLOOR) // int(count)
+    start = _POOL_FLOOR + int(index) * width
+    return range(start, start + width)
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((LOOPBACK, port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on 127.0.0.1 that was free a moment ago, outside the kernel's
+    ephemeral range (so no outgoing connection takes it before the server binds it);
+    successive calls in one process return different ports."""
+    global _next_port
+    pool = _port_slice()
+    if pool is not None:
+        if _next_port is None or _next_port not in pool:
+            _next_port = pool.start + (os.getpid() * 7919) % len(pool)
+        for _ in range(len(pool)):
+            port = _next_port
+            _next_port = pool.start + (port + 1 - pool.start) % len(pool)
+            if _bindable(port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((LOOPBACK, 0))
-        port: int = s.getsockname()[1]
-        return port
+        found: int = s.getsockname()[1]
+        return found
 
 
 @dataclass
