@@ -56,7 +56,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from kvroute.eval.procs import Server
 from kvroute.eval.quality import installed_peer_specs, kvroute_spec, run_router, start_sim_workers
+from kvroute.sim.cost import DEFAULT_MAX_BATCH
 from kvroute.sim.fleet import prepare, upper_bound
 from kvroute.sim.report import ResultRow, markdown_table, to_json
 from kvroute.sim.workloads import gsp, llmd, mooncake, multiturn, rag
@@ -166,6 +168,31 @@ def plot(rows: list[ResultRow], samples: dict[str, list[float]], path: str) -> N
     fig.savefig(path, dpi=120)
 
 
+def _max_batch(flags: list[str]) -> int | None:
+    """The value of ``--max-batch`` in sim-worker flags (the last one), or None."""
+    found = None
+    for i, flag in enumerate(flags):
+        if flag == "--max-batch" and i + 1 < len(flags):
+            found = int(flags[i + 1])
+        elif flag.startswith("--max-batch="):
+            found = int(flag.split("=", 1)[1])
+    return found
+
+
+def stated_max_running(
+    workers: list[Server], common: list[str], slow: list[str], args: argparse.Namespace
+) -> tuple[str, ...]:
+    """``--worker-max-running URL=N`` for every worker, N as the worker was started."""
+    default = _max_batch(common) or DEFAULT_MAX_BATCH
+    out: list[str] = []
+    for i, w in enumerate(workers):
+        n = default
+        if i >= args.workers - args.slow_workers:
+            n = _max_batch(common + slow) or default
+        out += ["--worker-max-running", f"{w.url}={n}"]
+    return tuple(out)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -237,6 +264,12 @@ def main() -> int:
         help="sim-worker flags for the --slow-workers, e.g. '--prefill-tokens-per-s 1500'",
     )
     ap.add_argument(
+        "--state-max-running",
+        action="store_true",
+        help="give every kvroute router --worker-max-running URL=N for each worker, N its "
+        "sim worker's --max-batch (as an operator states vLLM's --max-num-seqs)",
+    )
+    ap.add_argument(
         "--router-replicas",
         type=int,
         default=1,
@@ -286,6 +319,9 @@ def main() -> int:
             own_args=[()] * (args.workers - args.slow_workers)
             + [args.slow_worker_args.split()] * args.slow_workers,
         )
+        if args.state_max_running:
+            stated = stated_max_running(workers, worker_args, args.slow_worker_args.split(), args)
+            specs = [replace(s, args=s.args + stated) if s.kind == "kvroute" else s for s in specs]
         try:
             for spec in specs:
                 with tqdm(

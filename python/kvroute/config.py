@@ -95,6 +95,22 @@ def parse_worker_models(spec: str) -> tuple[str, list[str]]:
     return url, models
 
 
+def parse_worker_max_running(spec: str) -> tuple[str, int]:
+    """``--worker-max-running URL=N`` as (url, N); ValueError if malformed."""
+    url, sep, count = spec.rpartition("=")
+    try:
+        n = int(count.strip())
+    except ValueError:
+        n = 0
+    if not sep or not url or n < 1:
+        raise ValueError(
+            f"--worker-max-running {spec[:200]!r}: expected URL=N with N >= 1 (the "
+            "engine's --max-num-seqs or --max-running-requests), e.g. "
+            "http://10.0.0.1:8000=256"
+        )
+    return url, n
+
+
 @dataclass(frozen=True, slots=True)
 class StoreURL:
     """A parsed ``redis://[:password@]host:port/db``, ``rediss://`` (TLS) or
@@ -242,6 +258,9 @@ class Settings:
     # worker's capacity learned from its engine's running/waiting counts.
     worker_capacity: int | None = None
     learn_capacity: bool = True
+    # Capacities the operator states per worker (``URL=N``), where the engine does not
+    # report its own (vLLM's max_num_seqs); on auto, the other workers' as before.
+    worker_max_running: list[str] = field(default_factory=list)
     # Work-aware routing (kvroute.routing.load): cache_aware's "least loaded" by
     # predicted wait ("work") or by in-flight requests ("requests"); min_ttft's softmax.
     load_metric: str = "work"
@@ -359,6 +378,19 @@ class Settings:
                 raise ConfigError(str(e)) from None
             fixed[normalize_worker_url(url)] = models
         self.worker_models = [f"{u}={','.join(m)}" for u, m in fixed.items()]
+        stated: dict[str, int] = {}
+        for spec in self.worker_max_running:
+            try:
+                url, n = parse_worker_max_running(spec)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            stated[normalize_worker_url(url)] = n
+        self.worker_max_running = [f"{u}={n}" for u, n in stated.items()]
+        if stated and not (self.learn_capacity and self.worker_capacity is None):
+            raise ConfigError(
+                "--worker-max-running needs --worker-capacity auto (the default): a fixed "
+                "capacity or 'off' applies to every worker"
+            )
         if self.default_model is not None and not self.default_model.strip():
             raise ConfigError("--default-model must not be empty")
         if self.kv_events and self.tokenizer is None and not self.token_id_prompts:

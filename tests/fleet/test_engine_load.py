@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from kvroute._native import PrefixIndex
-from kvroute.config import ConfigError, parse_worker_capacity
+from kvroute.config import ConfigError, Settings, parse_worker_capacity
 from kvroute.eval.procs import Server, free_port, kvroute_argv, start_server
 from kvroute.fleet.engine_load import (
     REPORT_ATTEMPTS,
@@ -101,6 +101,19 @@ def test_a_reported_capacity_stands_and_is_asked_a_bounded_number_of_times() -> 
     assert learner.wants_report("sglang") and learner.wants_report("vllm")
 
 
+def test_a_stated_capacity_stands_is_not_asked_and_outlives_a_restart() -> None:
+    learner = CapacityLearner({"vllm-a": 32})
+    assert learner.capacities == {"vllm-a": 32}
+    assert not learner.wants_report("vllm-a"), "the operator said it: the engine is not asked"
+    learner.observe("vllm-a", 16, 4)  # queueing below it (KV memory short) keeps it
+    learner.observe("vllm-a", 40, 0)
+    assert learner.capacities == {"vllm-a": 32} and learner.floors == {"vllm-a": 40}
+    learner.forget("vllm-a")  # down and back: still what the operator stated
+    assert learner.capacities == {"vllm-a": 32} and learner.floors == {}
+    learner.observe("vllm-b", 8, 1)  # the others are learned as before
+    assert learner.capacities == {"vllm-a": 32, "vllm-b": 8}
+
+
 def test_learner_needs_queueing_and_keeps_the_largest() -> None:
     learner = CapacityLearner()
     learner.observe("a", 7, 0)  # not queueing: only a floor (it runs at least 7)
@@ -128,6 +141,23 @@ def test_parse_worker_capacity() -> None:
     for bad in ("0", "-1", "many"):
         with pytest.raises(ConfigError):
             parse_worker_capacity(bad)
+
+
+def test_worker_max_running_setting() -> None:
+    s = Settings(worker_max_running=["HTTP://A:8000/=32", "http://b:8000=16"]).validate()
+    assert s.worker_max_running == ["http://a:8000=32", "http://b:8000=16"]
+    for bad in (["http://a:8000"], ["http://a:8000=0"], ["http://a:8000=x"], ["=4"]):
+        with pytest.raises(ConfigError, match="URL=N"):
+            Settings(worker_max_running=bad).validate()
+    with pytest.raises(ConfigError, match="scheme"):
+        Settings(worker_max_running=["ftp://a:1=4"]).validate()
+    for fixed, learn in ((8, False), (None, False)):  # --worker-capacity 8 / off
+        with pytest.raises(ConfigError, match="--worker-capacity auto"):
+            Settings(
+                worker_max_running=["http://a:8000=32"],
+                worker_capacity=fixed,
+                learn_capacity=learn,
+            ).validate()
 
 
 def test_guard_uses_learned_capacities_per_worker() -> None:
@@ -231,20 +261,27 @@ def test_router_reads_the_capacity_each_engine_reports_before_any_request(
 ) -> None:
     """Engines that tell how many requests they run at once (SGLang's /get_server_info)
     have that capacity from the start, each its own; one that does not (vLLM) has none
-    until it is seen queueing. The guard passes over a full holder at once: nothing had
-    to queue first."""
+    until it is seen queueing, unless the operator states it (--worker-max-running).
+    The guard passes over a full holder at once: nothing had to queue first."""
     small, large = _sim_worker(tmp_path, 2, reports=True), _sim_worker(tmp_path, 3, reports=True)
-    silent = _sim_worker(tmp_path, 2)
-    processes.extend((small, large, silent))
-    router = start_router([small.url, large.url, silent.url], tmp_path)
+    silent, stated = _sim_worker(tmp_path, 2), _sim_worker(tmp_path, 2)
+    processes.extend((small, large, silent, stated))
+    router = start_router(
+        [small.url, large.url, silent.url, stated.url],
+        tmp_path,
+        "--worker-max-running",
+        f"{stated.url}/=2",  # as the operator writes it: normalized
+    )
     processes.append(router)
     rows = {w["url"]: w for w in httpx.get(router.url + "/workers").json()}
     assert {u: (w["capacity"], w["capacity_source"]) for u, w in rows.items()} == {
         small.url: (2, "reported"),
         large.url: (3, "reported"),
         silent.url: (None, None),
+        stated.url: (2, "stated"),
     }
-    assert "2 (reported)" in httpx.get(router.url + "/status").text
+    page = httpx.get(router.url + "/status").text
+    assert "2 (reported)" in page and "2 (stated)" in page
 
     async def run() -> list[str]:
         async with httpx.AsyncClient(base_url=router.url, timeout=30) as c:

@@ -126,6 +126,17 @@ def configure(p: argparse.ArgumentParser) -> None:
         "worker; off: SGLang's rule alone",
     )
     g.add_argument(
+        "--worker-max-running",
+        action="append",
+        default=[],
+        metavar="URL=N",
+        help="a worker's capacity as its engine is configured (vLLM --max-num-seqs, "
+        "SGLang --max-running-requests), for fleets whose workers differ in it: vLLM "
+        "does not publish it, and a larger worker not yet seen queueing is otherwise "
+        "taken for the size learned on the others; repeat per worker. With "
+        "--worker-capacity auto",
+    )
+    g.add_argument(
         "--load-metric",
         default="work",
         choices=("work", "requests"),

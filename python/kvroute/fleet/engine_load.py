@@ -131,10 +131,11 @@ REPORT_ATTEMPTS = 3
 
 
 class CapacityLearner:
-    """Per-worker capacity, reported (``report``) or learned from (running, waiting)
-    observations.
+    """Per-worker capacity, stated by the operator (``stated``), reported (``report``)
+    or learned from (running, waiting) observations.
 
-    ``capacities``: what an engine reported it runs at once, else what it was seen
+    ``capacities``: what the operator stated or an engine reported it runs at once
+    (both stand), else what it was seen
     running while requests waited (it runs no more at once). ``floors``: the most it was
     seen running with nothing waiting (it runs at least that many), kept for the workers
     not yet seen queueing, whose capacity the work model otherwise takes from the others
@@ -143,8 +144,11 @@ class CapacityLearner:
     engine was reconfigured, or was short of KV memory when it queued) has the larger
     count learned instead; a reported capacity stands."""
 
-    def __init__(self) -> None:
-        self.capacities: dict[str, int] = {}
+    def __init__(self, stated: dict[str, int] | None = None) -> None:
+        # ``stated``: capacities the operator gave per worker (--worker-max-running);
+        # they stand as reported ones do, and are not asked of the engine.
+        self.stated: dict[str, int] = dict(stated or {})
+        self.capacities: dict[str, int] = dict(self.stated)
         self.floors: dict[str, int] = {}
         self.reported: dict[str, int] = {}
         self._asked: dict[str, int] = {}
@@ -152,7 +156,7 @@ class CapacityLearner:
     def wants_report(self, worker: str) -> bool:
         """Is ``worker``'s engine to be asked for its capacity (not reported yet, fewer
         than ``REPORT_ATTEMPTS`` readings tried since it appeared)? Counts the ask."""
-        if worker in self.reported:
+        if worker in self.reported or worker in self.stated:
             return False
         asked = self._asked.get(worker, 0)
         if asked >= REPORT_ATTEMPTS:
@@ -170,7 +174,7 @@ class CapacityLearner:
     def observe(self, worker: str, running: int, waiting: int) -> None:
         if running <= 0:
             return
-        if worker in self.reported:
+        if worker in self.reported or worker in self.stated:
             if running > self.floors.get(worker, 0):
                 self.floors[worker] = running
             return
@@ -190,3 +194,5 @@ class CapacityLearner:
         self.floors.pop(worker, None)
         self.reported.pop(worker, None)
         self._asked.pop(worker, None)
+        if worker in self.stated:
+            self.capacities[worker] = self.stated[worker]

@@ -16,7 +16,7 @@ from typing import Any, cast
 import httpx
 
 from kvroute._native import PrefixIndex
-from kvroute.config import ConfigError, Settings
+from kvroute.config import ConfigError, Settings, parse_worker_max_running
 from kvroute.fleet.budget import IndexBudget
 from kvroute.fleet.engine_load import CapacityLearner
 from kvroute.fleet.health import EdgeReads
@@ -151,13 +151,15 @@ class RouterState:
 
     def capacity_source(self, url: str) -> str | None:
         """Where ``worker_capacity`` comes from: ``fixed`` (--worker-capacity N),
-        ``reported`` (the engine's /get_server_info), ``learned`` (seen queueing), or
-        None (unknown)."""
+        ``stated`` (--worker-max-running), ``reported`` (the engine's
+        /get_server_info), ``learned`` (seen queueing), or None (unknown)."""
         if self.settings.worker_capacity is not None:
             return "fixed"
         learner = self.capacity
         if learner is None or url not in learner.capacities:
             return None
+        if url in learner.stated:
+            return "stated"
         return "reported" if url in learner.reported else "learned"
 
 
@@ -330,7 +332,8 @@ def _chain_on_down(state: RouterState, hook: Callable[[str], None]) -> None:
 
 def setup_capacity_learning(state: RouterState) -> None:
     """Saturation guard on ``auto``: capacities learned from the engines' /metrics."""
-    learner = CapacityLearner()
+    stated = dict(parse_worker_max_running(spec) for spec in state.settings.worker_max_running)
+    learner = CapacityLearner(stated)
     state.capacity = learner
     if hasattr(state.policy, "capacities"):
         state.policy.capacities = learner.capacities
