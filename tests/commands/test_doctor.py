@@ -121,6 +121,19 @@ def test_kv_events_are_listened_for(tmp_path: Path, processes: list[Server]) -> 
     assert "--kv-events-config" in missing["fix"]
 
 
+def test_where_vllm_says_it_publishes_is_reported(tmp_path: Path, processes: list[Server]) -> None:
+    """vLLM's GET /kv_event_sources (the sim worker answers it in vLLM's shape): where
+    ``kvroute serve --kv-events auto`` will follow each worker's events."""
+    endpoint = f"ipc://{tmp_path}/events.sock"
+    on = sim_worker(tmp_path, processes, "--kv-events-endpoint", endpoint)
+    off = sim_worker(tmp_path, processes)
+    _, report, _ = doctor(on.url, off.url)
+    found = findings(report, on.url)["kv_events"]
+    assert found["status"] == "ok" and f"at {endpoint}, no replay" in found["detail"]
+    assert "--kv-events auto" in found["detail"]
+    assert findings(report, off.url)["kv_events"]["detail"].startswith("KV events off")
+
+
 def test_models_must_agree(tmp_path: Path, processes: list[Server]) -> None:
     a = sim_worker(tmp_path, processes, "--model", "m1")
     b = sim_worker(tmp_path, processes, "--model", "m2")

@@ -31,6 +31,7 @@ from engine_support import engine_or_skip
 from kvroute import BlockIndex
 from kvroute.eval.procs import Server, free_port, kvroute_argv, start_server
 from kvroute.events import EventTracker, KvEventSubscriber, PreciseView, parse_kv_events
+from kvroute.events.auto import source_for, vllm_config
 from support import wait_for
 
 # Starting two replicas takes 1-3 minutes (more on a busy machine).
@@ -245,6 +246,54 @@ def test_router_stops_sending_a_prefix_where_it_was_evicted(fleet: Fleet) -> Non
         workers = _router_workers(router.url)
         print(workers)
         assert workers[x.url]["mode"] == workers[y.url]["mode"] == "precise"
+    finally:
+        router.stop()
+    shutil.rmtree(logs, ignore_errors=True)
+
+
+def test_router_finds_each_replicas_events_itself(fleet: Fleet) -> None:
+    """``kvroute serve --kv-events auto``: no endpoint given; each replica's
+    ``GET /kv_event_sources`` says where it publishes, and both become precise."""
+    a, b = fleet.a, fleet.b
+    for s, spec in zip((a, b), fleet.specs, strict=True):
+        config = vllm_config(httpx.get(s.url + "/kv_event_sources", timeout=10).content)
+        assert config is not None, "vLLM tells where it publishes"
+        source = source_for(s.url, config)
+        assert source is not None
+        wanted = parse_kv_events([spec])[0]
+        assert (source.endpoint, source.replay_endpoint) == (
+            wanted.endpoint,
+            wanted.replay_endpoint,
+        )
+    port = free_port()
+    argv = kvroute_argv(
+        "serve",
+        "--worker-urls",
+        a.url,
+        b.url,
+        "--port",
+        str(port),
+        "--kv-events",
+        "auto",
+        "--token-id-prompts",
+    )
+    logs = tempfile.mkdtemp(prefix="kvroute-router-")
+    router = start_server("router", argv, port, timeout_s=60, log_dir=logs)
+    try:
+        time.sleep(1.0)  # the router's SUB sockets reach both engines
+        for s in (a, b):  # a batch each so both streams start
+            clear_cache(s)
+        wait_for(
+            lambda: {w["mode"] for w in _router_workers(router.url).values()} == {"precise"},
+            what="both workers precise in the router",
+        )
+        p = prompt(5, 600)
+        r = post(router.url, p)
+        x = r.headers["x-kvroute-worker"]
+        wait_for(lambda: fleet.held(a if x == a.url else b, p) == 576, what="x holds p")
+        time.sleep(0.5)  # the router's subscriber sees the same batches
+        again = post(router.url, p)
+        assert again.headers["x-kvroute-worker"] == x and cached(again) == 576
     finally:
         router.stop()
     shutil.rmtree(logs, ignore_errors=True)

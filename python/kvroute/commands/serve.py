@@ -187,10 +187,12 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--kv-events",
         action="append",
         default=[],
-        metavar="URL=ENDPOINT",
+        metavar="URL=ENDPOINT|auto",
         help="precise mode: route on the engine's own KV cache events. "
         "'WORKER_URL=tcp://host:port[;topic=T][;replay=tcp://...][;bind]', "
-        "one per worker (see docs/precise-mode.md)",
+        "one per worker, or 'auto': every worker, static or discovered, where its "
+        "engine says it publishes them (vLLM's GET /kv_event_sources, SGLang's "
+        "kv_events_config), explicit values winning (see docs/precise-mode.md)",
     )
     m = p.add_argument_group("models and adapters")
     m.add_argument(
@@ -585,9 +587,10 @@ def check_settings(settings: Settings) -> None:
     """Start-up checks that need more than the settings themselves. Raises ConfigError."""
     if settings.kv_events:
         from kvroute.events import KvEventsSpecError, parse_kv_events
+        from kvroute.events.auto import explicit
 
         try:
-            parse_kv_events(settings.kv_events)
+            parse_kv_events(explicit(settings.kv_events))
         except KvEventsSpecError as e:
             raise ConfigError(str(e)) from None
     from kvroute.fleet.urls import parse_allow_pattern

@@ -230,6 +230,7 @@ class KvEventSubscriber:
                 sock = self._ctx.socket(zmq.SUB)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.RCVHWM, self.rcvhwm)
+                sock.setsockopt(zmq.IPV6, 1)  # tcp://[v6 address]:port too (v4 still works)
                 try:
                     if source.bind:
                         sock.bind(source.endpoint)

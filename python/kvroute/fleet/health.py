@@ -30,7 +30,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import httpx
 
@@ -46,6 +46,9 @@ from kvroute.fleet.models import parse_models
 from kvroute.fleet.registry import Registry
 from kvroute.routing.load import LoadModel
 
+if TYPE_CHECKING:
+    from kvroute.events.auto import AutoEvents
+
 log = logging.getLogger("kvroute.fleet.health")
 
 
@@ -56,6 +59,7 @@ class Checked(Protocol):
     registry: Registry
     client: httpx.AsyncClient
     capacity: CapacityLearner | None
+    auto_events: AutoEvents | None
     polls_engine: bool
     others: dict[str, int]
     work: LoadModel
@@ -206,6 +210,8 @@ async def check_worker(state: Checked, url: str) -> None:
         # What it serves is known before it takes traffic (a new worker's first check).
         await refresh_models(state, url)
     registry.record_check(url, r.status_code == 200, f"HTTP {r.status_code}")
+    if state.auto_events is not None and r.status_code == 200:
+        await state.auto_events.follow(url, lambda u, path: _read(state, u, path))
     if state.polls_engine and r.status_code == 200:
         await read_reported_capacity(state, url)
         await poll_engine_load(state, url)
@@ -215,6 +221,8 @@ async def check_all(state: Checked) -> None:
     """One round: every worker checked at once."""
     try:
         await asyncio.gather(*(check_worker(state, u) for u in list(state.registry.workers)))
+        if state.auto_events is not None:
+            await state.auto_events.prune(list(state.registry.workers))
     except Exception:  # never let one bad check end health checking
         log.exception("health check round failed")
 

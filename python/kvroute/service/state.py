@@ -59,6 +59,8 @@ class RouterState:
     # reserves each routed request's predicted work here, work-aware policies read it.
     work: LoadModel = field(default_factory=LoadModel)
     subscriber: Any = None
+    # --kv-events auto: the workers followed where their engines say they publish.
+    auto_events: Any = None  # kvroute.events.auto.AutoEvents
     budget: IndexBudget | None = None  # default index budgets (no --max-tree-size)
     store: Any = None  # kvroute.fleet.shared.StateStore with --state-store
     # Set by ``kvroute serve`` on SIGTERM: the server stops accepting and, once the grace
@@ -364,8 +366,9 @@ def setup_precise(state: RouterState) -> None:
         parse_kv_events,
         register_kv_event_metrics,
     )
+    from kvroute.events.auto import AutoEvents, explicit, is_auto
 
-    sources = parse_kv_events(state.settings.kv_events)
+    sources = parse_kv_events(explicit(state.settings.kv_events))
     unknown = [s.worker for s in sources if s.worker not in state.settings.worker_urls]
     if unknown:
         raise ConfigError(f"--kv-events names workers not in --worker-urls: {unknown}")
@@ -374,6 +377,9 @@ def setup_precise(state: RouterState) -> None:
     tracker = EventTracker(BlockIndex(), partition_of=adapter_partition)
     state.events = tracker
     state.subscriber = KvEventSubscriber(sources, tracker)
+    if is_auto(state.settings.kv_events):
+        state.auto_events = AutoEvents(state.subscriber, fixed=[s.worker for s in sources])
+        _chain_on_down(state, state.auto_events.forget)
     register_kv_event_metrics(state.metrics.registry, tracker, state.subscriber)
     if hasattr(state.policy, "precise"):
         state.policy.precise = PreciseView(tracker)

@@ -82,18 +82,27 @@ def server_info(c: SimConfig) -> dict[str, Any]:
         # SGLang's ServerArgs names for what `kvroute doctor` checks.
         "disable_radix_cache": not c.prefix_caching,
         "kv_events_config": (
-            orjson.dumps(
-                {
-                    "publisher": "zmq",
-                    "endpoint": c.kv_events_endpoint,
-                    "topic": c.kv_events_topic,
-                }
-            ).decode()
-            if c.kv_events_endpoint
-            else None
+            orjson.dumps(_kv_events_config(c)).decode() if c.kv_events_endpoint else None
         ),
         "enable_metrics": True,
     }
+
+
+def _kv_events_config(c: SimConfig) -> dict[str, Any]:
+    return {
+        "publisher": "zmq",
+        "endpoint": c.kv_events_endpoint,
+        "replay_endpoint": c.kv_events_replay_endpoint,
+        "topic": c.kv_events_topic,
+    }
+
+
+def kv_event_sources(c: SimConfig) -> dict[str, Any]:
+    """vLLM's ``GET /kv_event_sources``: the publisher's configuration per data-parallel
+    rank (one here), ``{}`` with events off."""
+    if not c.kv_events_endpoint:
+        return {}
+    return {"0": {"enable_kv_cache_events": True, **_kv_events_config(c)}}
 
 
 def models(c: SimConfig, adapters: Sequence[str] = ()) -> dict[str, Any]:

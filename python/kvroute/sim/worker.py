@@ -10,7 +10,7 @@ per character with ``--text-codec codepoints``, see ``sim.textcodec``); token-ID
 and ``input_ids`` as given.
 
 Introspection: ``/health``, ``/version`` (vLLM's; says ``kvroute-sim``),
-``/get_model_info``, ``/get_server_info``, ``/v1/models``,
+``/get_model_info``, ``/get_server_info``, ``/kv_event_sources`` (vLLM's), ``/v1/models``,
 ``/get_load``, ``/metrics`` (vLLM names), ``/tokenize``, ``/v1/completions/render`` and
 ``/v1/chat/completions/render`` (vLLM's shapes: the vLLM router calls them), ``/flush_cache``
 and ``/reset_prefix_cache`` (both empty the cache). For benchmarks and tests:
@@ -92,6 +92,10 @@ def create_app(config: SimConfig) -> FastAPI:
     @app.get("/server_info")
     async def server_info() -> Response:
         return P.json_response(P.server_info(config))
+
+    @app.get("/kv_event_sources")
+    async def kv_event_sources() -> Response:
+        return P.json_response(P.kv_event_sources(config))
 
     @app.get("/v1/models")
     async def models() -> Response:

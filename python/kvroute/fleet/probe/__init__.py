@@ -65,6 +65,15 @@ def clock_skew(date_header: str | None, now: float) -> float | None:
         return None
 
 
+async def _body(client: httpx.AsyncClient, url: str) -> bytes | None:
+    """The body of a 200 answer to ``GET url``, else None."""
+    try:
+        r = await client.get(url)
+    except httpx.HTTPError:
+        return None
+    return r.content if r.status_code == 200 else None
+
+
 async def probe_worker(
     client: httpx.AsyncClient, url: str, tokenizer: PromptTokenizer, tokenizer_given: bool
 ) -> WorkerReport:
@@ -134,7 +143,7 @@ async def probe_worker(
     if rep.engine == "sglang":
         sglang_settings(rep, server_info or {})
     else:
-        vllm_settings(rep, metrics)
+        vllm_settings(rep, metrics, await _body(client, url + "/kv_event_sources"))
     await probe_cache(client, rep, metrics, max_len)
     await compare_tokenizer(client, rep, tokenizer, tokenizer_given)
     return rep
