@@ -132,6 +132,12 @@ def test_where_vllm_says_it_publishes_is_reported(tmp_path: Path, processes: lis
     assert found["status"] == "ok" and f"at {endpoint}, no replay" in found["detail"]
     assert "--kv-events auto" in found["detail"]
     assert findings(report, off.url)["kv_events"]["detail"].startswith("KV events off")
+    # --kv-events auto: listens where each engine says, as serve would, and checks
+    # events arrive; a worker that publishes none cannot be routed precisely.
+    _, report, text = doctor(on.url, off.url, "--kv-events", "auto")
+    assert findings(report, on.url)["kv_events"]["status"] == "ok", text
+    assert "KV events received" in findings(report, on.url)["kv_events"]["detail"]
+    assert findings(report, off.url)["kv_events"]["detail"].startswith("KV events off")
 
 
 def test_models_must_agree(tmp_path: Path, processes: list[Server]) -> None:

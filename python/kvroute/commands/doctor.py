@@ -47,9 +47,10 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--kv-events",
         action="append",
         default=[],
-        metavar="URL=ENDPOINT",
+        metavar="URL=ENDPOINT|auto",
         help="as kvroute serve's --kv-events: listen there while probing and check each "
-        "worker's KV events arrive (vLLM does not report its event config over HTTP)",
+        "worker's KV events arrive; auto: where each engine says it publishes them "
+        "(vLLM's GET /kv_event_sources, SGLang's kv_events_config), as serve would",
     )
     p.add_argument(
         "--timeout", type=float, default=30.0, help="seconds per HTTP call (default %(default)s)"
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         if args.tokenizer is not None and not os.path.isdir(args.tokenizer):
             raise ConfigError(f"--tokenizer {args.tokenizer!r}: no such directory")
         tokenizer = PromptTokenizer(args.tokenizer)
-        subscriber, tracker = _listen(args.kv_events, urls)
+        subscriber, tracker = _listen(args.kv_events, urls, args.timeout)
     except (ConfigError, OSError, ValueError) as e:
         print(f"kvroute doctor: error: {e}", file=sys.stderr)
         return 2
@@ -112,17 +113,49 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _listen(specs: list[str], urls: list[str]) -> tuple[Any, Any]:
+def _listen(specs: list[str], urls: list[str], timeout_s: float = 30.0) -> tuple[Any, Any]:
     if not specs:
         return None, None
     from kvroute._native import BlockIndex
     from kvroute.events import EventTracker, KvEventSubscriber, parse_kv_events
+    from kvroute.events.auto import explicit, is_auto
 
+    sources = parse_kv_events(explicit(specs), urls)
+    if is_auto(specs):
+        given = {s.worker for s in sources}
+        sources += _reported_sources([u for u in urls if u not in given], timeout_s)
     tracker = EventTracker(BlockIndex())
-    subscriber = KvEventSubscriber(parse_kv_events(specs, urls), tracker)
+    subscriber = KvEventSubscriber(sources, tracker)
     subscriber.start()
     time.sleep(0.5)  # engines that connect to us retry every 100 ms: let them join
     return subscriber, tracker
+
+
+def _reported_sources(urls: list[str], timeout_s: float) -> list[Any]:
+    """``--kv-events auto``: where each engine says it publishes (as ``serve`` asks it);
+    a worker that says nothing followable is left out (its probe reports why)."""
+    import httpx
+
+    from kvroute.events.auto import sglang_config, source_for, vllm_config
+    from kvroute.events.spec import KvEventsSpecError
+
+    found = []
+    with httpx.Client(timeout=timeout_s) as client:
+        for url in urls:
+            try:
+                config = None
+                r = client.get(url + "/kv_event_sources")
+                if r.status_code == 200:
+                    config = vllm_config(r.content)
+                if config is None:
+                    r = client.get(url + "/get_server_info")
+                    config = sglang_config(r.content) if r.status_code == 200 else None
+                source = source_for(url, config) if config is not None else None
+            except (httpx.HTTPError, KvEventsSpecError):
+                continue
+            if source is not None:
+                found.append(source)
+    return found
 
 
 async def _probe_all(urls: list[str], tokenizer: Any, given: bool, args: Any) -> list[Any]:
