@@ -136,22 +136,24 @@ def _reported_sources(urls: list[str], timeout_s: float) -> list[Any]:
     a worker that says nothing followable is left out (its probe reports why)."""
     import httpx
 
-    from kvroute.events.auto import sglang_config, source_for, vllm_config
+    from kvroute.events.auto import source_from_answers
     from kvroute.events.spec import KvEventsSpecError
+
+    def body(client: httpx.Client, url: str) -> bytes | None:
+        try:
+            r = client.get(url)
+        except httpx.HTTPError:
+            return None
+        return r.content if r.status_code == 200 else None
 
     found = []
     with httpx.Client(timeout=timeout_s) as client:
         for url in urls:
+            sources = body(client, url + "/kv_event_sources")
+            info = body(client, url + "/get_server_info")
             try:
-                config = None
-                r = client.get(url + "/kv_event_sources")
-                if r.status_code == 200:
-                    config = vllm_config(r.content)
-                if config is None:
-                    r = client.get(url + "/get_server_info")
-                    config = sglang_config(r.content) if r.status_code == 200 else None
-                source = source_for(url, config) if config is not None else None
-            except (httpx.HTTPError, KvEventsSpecError):
+                source = source_from_answers(url, sources, info)
+            except KvEventsSpecError:
                 continue
             if source is not None:
                 found.append(source)

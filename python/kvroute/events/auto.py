@@ -159,6 +159,19 @@ def source_for(worker: str, config: Mapping[str, Any]) -> KvEventSource | None:
     )
 
 
+def source_from_answers(
+    worker: str, event_sources: bytes | None, server_info: bytes | None
+) -> KvEventSource | None:
+    """What to follow for ``worker`` from the bodies of its engine's 200 answers to
+    ``GET /kv_event_sources`` (vLLM) and ``GET /get_server_info`` (SGLang), None for an
+    endpoint not served: None when it publishes nothing; KvEventsSpecError (the reason)
+    when it publishes where kvroute cannot follow."""
+    config = vllm_config(event_sources) if event_sources is not None else None
+    if config is None and server_info is not None:
+        config = sglang_config(server_info)
+    return source_for(worker, config) if config is not None else None
+
+
 Reader = Callable[[str, str], Awaitable[bytes | None]]
 
 
@@ -189,15 +202,12 @@ class AutoEvents:
             self._asking.discard(worker)
 
     async def _follow(self, worker: str, read: Reader) -> None:
+        sources = await read(worker, "/kv_event_sources")
+        info = None
         try:
-            config = None
-            body = await read(worker, "/kv_event_sources")
-            if body is not None:
-                config = vllm_config(body)
-            if config is None:
-                body = await read(worker, "/get_server_info")
-                config = sglang_config(body) if body is not None else None
-            source = source_for(worker, config) if config is not None else None
+            if sources is None or vllm_config(sources) is None:  # not vLLM, or events off
+                info = await read(worker, "/get_server_info")
+            source = source_from_answers(worker, sources, info)
         except KvEventsSpecError as e:
             self._asked[worker] = ASK_ATTEMPTS  # an answer, not a failure: do not ask again
             self._say(worker, f"KV events of {worker} not followed: {e}; routing it approximately")
