@@ -154,6 +154,8 @@ OTHER_PROGRAMS = {
     "--disable-radix-cache",  # sglang
     "--enable-cache-report",  # sglang
     "--enable-metrics",  # sglang
+    "--max-num-seqs",  # vllm serve
+    "--max-running-requests",  # sglang
     "--find-links",  # pip
     "--strict",  # mkdocs build
     "--release",  # maturin / cargo

@@ -87,6 +87,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         reports = asyncio.run(_probe_all(urls, tokenizer, args.tokenizer is not None, args))
+        for rep in reports:
+            if rep.kv_event_sources is not None:
+                _vllm_events(rep, rep.kv_event_sources)
         if subscriber is not None:
             _check_events(reports, tracker, args.events_wait, args.timeout)
     finally:
@@ -129,6 +132,41 @@ def _listen(specs: list[str], urls: list[str], timeout_s: float = 30.0) -> tuple
     subscriber.start()
     time.sleep(0.5)  # engines that connect to us retry every 100 ms: let them join
     return subscriber, tracker
+
+
+def _vllm_events(rep: Any, body: bytes) -> None:
+    """Where vLLM says it publishes its KV events (its ``GET /kv_event_sources``)."""
+    from kvroute.events.auto import source_for, vllm_config
+    from kvroute.events.spec import KvEventsSpecError
+    from kvroute.fleet.probe import VLLM_EVENTS
+
+    rep.findings = [f for f in rep.findings if f.check != "kv_events"]
+    try:
+        config = vllm_config(body)
+        source = source_for(rep.url, config) if config is not None else None
+    except KvEventsSpecError as e:
+        rep.add(
+            "kv_events",
+            "warn",
+            f"--kv-events auto cannot follow its KV events: {e}",
+            "bind the publisher on the engine (endpoint tcp://*:PORT), one rank per URL",
+        )
+        return
+    if source is None:
+        rep.add(
+            "kv_events",
+            "info",
+            "KV events off (approximate mode only)",
+            f"for precise mode: start vLLM with {VLLM_EVENTS}",
+        )
+        return
+    replay = f", replay {source.replay_endpoint}" if source.replay_endpoint else ", no replay"
+    rep.add(
+        "kv_events",
+        "ok",
+        f"publishes KV events at {source.endpoint}{replay} (GET /kv_event_sources): "
+        "kvroute serve --kv-events auto follows them",
+    )
 
 
 def _reported_sources(urls: list[str], timeout_s: float) -> list[Any]:

@@ -230,7 +230,8 @@ class KvEventSubscriber:
                 sock = self._ctx.socket(zmq.SUB)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.RCVHWM, self.rcvhwm)
-                sock.setsockopt(zmq.IPV6, 1)  # tcp://[v6 address]:port too (v4 still works)
+                if "[" in source.endpoint:  # tcp://[v6 address]:port
+                    sock.setsockopt(zmq.IPV6, 1)
                 try:
                     if source.bind:
                         sock.bind(source.endpoint)

@@ -29,8 +29,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import httpx
 
@@ -46,9 +46,6 @@ from kvroute.fleet.models import parse_models
 from kvroute.fleet.registry import Registry
 from kvroute.routing.load import LoadModel
 
-if TYPE_CHECKING:
-    from kvroute.events.auto import AutoEvents
-
 log = logging.getLogger("kvroute.fleet.health")
 
 
@@ -59,13 +56,16 @@ class Checked(Protocol):
     registry: Registry
     client: httpx.AsyncClient
     capacity: CapacityLearner | None
-    auto_events: AutoEvents | None
+    # Called with a worker's URL after each healthy check, and with the fleet's URLs
+    # after each round (``--kv-events auto``: ``kvroute.events.auto.AutoEvents``).
+    on_healthy: Callable[[str], Awaitable[None]] | None
+    after_round: Callable[[list[str]], Awaitable[None]] | None
     polls_engine: bool
     others: dict[str, int]
     work: LoadModel
 
 
-async def _read(state: Checked, url: str, path: str) -> bytes | None:
+async def read_body(state: Checked, url: str, path: str) -> bytes | None:
     """The body of ``GET url+path`` if it answers 200 within the health check timeout."""
     try:
         r = await state.client.get(url + path, timeout=state.settings.health_check_timeout_secs)
@@ -80,7 +80,7 @@ async def read_reported_capacity(state: Checked, url: str) -> None:
     learner = state.capacity
     if learner is None or not learner.wants_report(url):
         return
-    body = await _read(state, url, "/get_server_info")
+    body = await read_body(state, url, "/get_server_info")
     capacity = parse_sglang_capacity(body) if body is not None else None
     if capacity is not None and url in state.registry.workers:
         learner.report(url, capacity)
@@ -90,7 +90,7 @@ async def read_reported_capacity(state: Checked, url: str) -> None:
 async def poll_engine_load(state: Checked, url: str) -> None:
     """Read ``url``'s running/waiting counts from its /metrics: the learner's capacity
     and the load its engine holds beyond this router's requests."""
-    body = await _read(state, url, "/metrics")
+    body = await read_body(state, url, "/metrics")
     if body is None:
         return
     load = parse_engine_load(body)
@@ -210,8 +210,8 @@ async def check_worker(state: Checked, url: str) -> None:
         # What it serves is known before it takes traffic (a new worker's first check).
         await refresh_models(state, url)
     registry.record_check(url, r.status_code == 200, f"HTTP {r.status_code}")
-    if state.auto_events is not None and r.status_code == 200:
-        await state.auto_events.follow(url, lambda u, path: _read(state, u, path))
+    if state.on_healthy is not None and r.status_code == 200:
+        await state.on_healthy(url)
     if state.polls_engine and r.status_code == 200:
         await read_reported_capacity(state, url)
         await poll_engine_load(state, url)
@@ -221,8 +221,8 @@ async def check_all(state: Checked) -> None:
     """One round: every worker checked at once."""
     try:
         await asyncio.gather(*(check_worker(state, u) for u in list(state.registry.workers)))
-        if state.auto_events is not None:
-            await state.auto_events.prune(list(state.registry.workers))
+        if state.after_round is not None:
+            await state.after_round(list(state.registry.workers))
     except Exception:  # never let one bad check end health checking
         log.exception("health check round failed")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -19,7 +19,7 @@ from kvroute._native import PrefixIndex
 from kvroute.config import ConfigError, Settings, parse_worker_max_running
 from kvroute.fleet.budget import IndexBudget
 from kvroute.fleet.engine_load import CapacityLearner
-from kvroute.fleet.health import EdgeReads
+from kvroute.fleet.health import EdgeReads, read_body
 from kvroute.fleet.models import adapter_partition
 from kvroute.fleet.registry import Registry
 from kvroute.routing.load import LoadModel
@@ -59,8 +59,9 @@ class RouterState:
     # reserves each routed request's predicted work here, work-aware policies read it.
     work: LoadModel = field(default_factory=LoadModel)
     subscriber: Any = None
-    # --kv-events auto: the workers followed where their engines say they publish.
-    auto_events: Any = None  # kvroute.events.auto.AutoEvents
+    # The health loop's hooks (--kv-events auto: kvroute.events.auto.AutoEvents).
+    on_healthy: Callable[[str], Awaitable[None]] | None = None
+    after_round: Callable[[list[str]], Awaitable[None]] | None = None
     budget: IndexBudget | None = None  # default index budgets (no --max-tree-size)
     store: Any = None  # kvroute.fleet.shared.StateStore with --state-store
     # Set by ``kvroute serve`` on SIGTERM: the server stops accepting and, once the grace
@@ -378,8 +379,14 @@ def setup_precise(state: RouterState) -> None:
     state.events = tracker
     state.subscriber = KvEventSubscriber(sources, tracker)
     if is_auto(state.settings.kv_events):
-        state.auto_events = AutoEvents(state.subscriber, fixed=[s.worker for s in sources])
-        _chain_on_down(state, state.auto_events.forget)
+        auto = AutoEvents(state.subscriber, fixed=[s.worker for s in sources])
+
+        async def follow(url: str) -> None:
+            await auto.follow(url, lambda u, path: read_body(state, u, path))
+
+        state.on_healthy = follow
+        state.after_round = auto.prune
+        _chain_on_down(state, auto.forget)
     register_kv_event_metrics(state.metrics.registry, tracker, state.subscriber)
     if hasattr(state.policy, "precise"):
         state.policy.precise = PreciseView(tracker)

@@ -143,7 +143,8 @@ async def probe_worker(
     if rep.engine == "sglang":
         sglang_settings(rep, server_info or {})
     else:
-        vllm_settings(rep, metrics, await _body(client, url + "/kv_event_sources"))
+        vllm_settings(rep, metrics)
+        rep.kv_event_sources = await _body(client, url + "/kv_event_sources")
     await probe_cache(client, rep, metrics, max_len)
     await compare_tokenizer(client, rep, tokenizer, tokenizer_given)
     return rep

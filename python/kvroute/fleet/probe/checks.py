@@ -22,11 +22,7 @@ from kvroute.fleet.probe.report import (
 from kvroute.routing.tokenization import PromptTokenizer
 
 
-def vllm_settings(
-    rep: WorkerReport, metrics: dict[str, list[Any]] | None, event_sources: bytes | None = None
-) -> None:
-    """``event_sources``: the body of its ``GET /kv_event_sources`` (None: not served)."""
-    vllm_events(rep, event_sources)
+def vllm_settings(rep: WorkerReport, metrics: dict[str, list[Any]] | None) -> None:
     if metrics is None:
         rep.add(
             "metrics",
@@ -47,47 +43,13 @@ def vllm_settings(
             "vllm:cache_config_info says enable_prefix_caching=False",
             "start vLLM with --enable-prefix-caching (and without --no-enable-prefix-caching)",
         )
-
-
-def vllm_events(rep: WorkerReport, body: bytes | None) -> None:
-    """Where vLLM says it publishes its KV events (``GET /kv_event_sources``)."""
-    from kvroute.events.auto import source_for, vllm_config
-    from kvroute.events.spec import KvEventsSpecError
-
-    if body is None:
-        rep.add(
-            "kv_events",
-            "info",
-            "no GET /kv_event_sources (vLLM before it): not checked (for precise mode run "
-            "kvroute doctor --kv-events WORKER=ENDPOINT, which listens for them)",
-            f"for precise mode: start vLLM with {VLLM_EVENTS}",
-        )
-        return
-    try:
-        config = vllm_config(body)
-        source = source_for(rep.url, config) if config is not None else None
-    except KvEventsSpecError as e:
-        rep.add(
-            "kv_events",
-            "warn",
-            f"--kv-events auto cannot follow its KV events: {e}",
-            "bind the publisher on the engine (endpoint tcp://*:PORT), one rank per URL",
-        )
-        return
-    if source is None:
-        rep.add(
-            "kv_events",
-            "info",
-            "KV events off (approximate mode only)",
-            f"for precise mode: start vLLM with {VLLM_EVENTS}",
-        )
-        return
-    replay = f", replay {source.replay_endpoint}" if source.replay_endpoint else ", no replay"
     rep.add(
         "kv_events",
-        "ok",
-        f"publishes KV events at {source.endpoint}{replay} (GET /kv_event_sources): "
-        "kvroute serve --kv-events auto follows them",
+        "info",
+        "this vLLM does not report its --kv-events-config over HTTP (no GET "
+        "/kv_event_sources): not checked (for precise mode run kvroute doctor "
+        "--kv-events WORKER=ENDPOINT, which listens for them)",
+        f"for precise mode: start vLLM with {VLLM_EVENTS}",
     )
 
 

@@ -38,6 +38,8 @@ class WorkerReport:
     model: str | None = None
     block_size: int | None = None
     findings: list[Finding] = field(default_factory=list)
+    # vLLM's GET /kv_event_sources answer (None: not served), read by ``kvroute doctor``.
+    kv_event_sources: bytes | None = field(default=None, repr=False)
 
     def add(self, check: str, status: str, detail: str, fix: str = "") -> None:
         self.findings.append(Finding(check, status, detail, fix))
@@ -47,7 +49,9 @@ class WorkerReport:
         return any(f.status == "fail" for f in self.findings)
 
     def as_json(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        del out["kv_event_sources"]
+        return out
 
 
 async def get_json(client: httpx.AsyncClient, url: str) -> Any:
