@@ -54,7 +54,13 @@ from kvroute.routing.load import LoadModel
 log = logging.getLogger("kvroute.fleet.shared")
 
 READ_COUNT = 20  # entries per XREAD: at most 1,280 decisions applied per loop turn
-READ_BLOCK_MS = 500
+# An idle XREAD returns after this: with nothing to read, each return is a wake-up of
+# the router (about 0.3 ms of CPU on a 2-core VM). A new router is followed at once
+# all the same (its greeting is an entry of the shared stream, which ends the wait).
+# The reading connection's socket timeout is this plus REPLY_S: a Redis that stopped
+# answering ends the session within that even if a cancellation was swallowed.
+READ_BLOCK_MS = 3000
+REPLY_S = 2.0
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.1, 5.0
 
 
@@ -121,6 +127,7 @@ class StateStore(Publisher, Applier):
         self._stopping = False
         self._refused: str | None = None  # why the server was refused, said once
         self._client: aioredis.Redis | None = None
+        self._reader: aioredis.Redis | None = None  # the blocked XREADs' own connection
         if index is not None:
             index.on_insert = self.publish_insert
         # The work model's load and queued prefill, shared both ways (``loads``).
@@ -160,9 +167,15 @@ class StateStore(Publisher, Applier):
     async def start(self) -> None:
         self._client = client_for(
             self.url,
-            socket_timeout=2.0,
+            socket_timeout=REPLY_S,
             socket_connect_timeout=1.0,
             retry=Retry(NoBackoff(), 0),  # this class does the retrying, with backoff
+        )
+        self._reader = client_for(
+            self.url,
+            socket_timeout=READ_BLOCK_MS / 1000 + REPLY_S,
+            socket_connect_timeout=1.0,
+            retry=Retry(NoBackoff(), 0),
         )
         self._task = asyncio.create_task(self._run(), name="kvroute-state-store")
 
@@ -179,6 +192,9 @@ class StateStore(Publisher, Applier):
                         await self._client.delete(wire.ROUTER + self.id)
             with contextlib.suppress(Exception):
                 await close(self._client)
+        if self._reader is not None:
+            with contextlib.suppress(Exception):
+                await close(self._reader)
 
     async def _run(self) -> None:
         delay = BACKOFF_MIN_S
@@ -206,9 +222,10 @@ class StateStore(Publisher, Applier):
                 self.routers.clear()
                 if self.shared_load is not None:
                     self.shared_load.clear()
-                if self._client is not None:  # pooled sockets to a dead server: drop them
-                    with contextlib.suppress(Exception):
-                        await self._client.connection_pool.disconnect()
+                for c in (self._client, self._reader):  # pooled sockets to a dead server
+                    if c is not None:
+                        with contextlib.suppress(Exception):
+                            await c.connection_pool.disconnect()
             await asyncio.sleep(delay)
             delay = min(delay * 2, BACKOFF_MAX_S)
 
@@ -236,7 +253,8 @@ class StateStore(Publisher, Applier):
             assert self._writer is not None
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._publish_loop(client, self._writer))
-                tg.create_task(self._read_loop(client))
+                assert self._reader is not None
+                tg.create_task(self._read_loop(self._reader))
                 tg.create_task(self._heartbeat_loop(client))
                 tg.create_task(self._watch(pub))
         finally:
