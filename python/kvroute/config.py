@@ -9,10 +9,14 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
 from kvroute.routing.policies import POLICY_NAMES
+
+T = TypeVar("T")
 
 DISCOVERY_MODES = ("static", "dns", "k8s")
 
@@ -109,6 +113,19 @@ def parse_worker_max_running(spec: str) -> tuple[str, int]:
             "http://10.0.0.1:8000=256"
         )
     return url, n
+
+
+def _by_worker(specs: list[str], parse: Callable[[str], tuple[str, T]]) -> dict[str, T]:
+    """Per-worker ``URL=VALUE`` settings by normalized URL (the last one wins);
+    ConfigError saying what is wrong."""
+    out: dict[str, T] = {}
+    for spec in specs:
+        try:
+            url, value = parse(spec)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        out[normalize_worker_url(url)] = value
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -370,21 +387,9 @@ class Settings:
             raise ConfigError("--router-temperature must be a number of seconds >= 0")
         if self.bounded_load_factor < 1.0:
             raise ConfigError("--bounded-load-factor must be >= 1.0")
-        fixed: dict[str, list[str]] = {}
-        for spec in self.worker_models:
-            try:
-                url, models = parse_worker_models(spec)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
-            fixed[normalize_worker_url(url)] = models
+        fixed = _by_worker(self.worker_models, parse_worker_models)
         self.worker_models = [f"{u}={','.join(m)}" for u, m in fixed.items()]
-        stated: dict[str, int] = {}
-        for spec in self.worker_max_running:
-            try:
-                url, n = parse_worker_max_running(spec)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
-            stated[normalize_worker_url(url)] = n
+        stated = _by_worker(self.worker_max_running, parse_worker_max_running)
         self.worker_max_running = [f"{u}={n}" for u, n in stated.items()]
         if stated and not (self.learn_capacity and self.worker_capacity is None):
             raise ConfigError(

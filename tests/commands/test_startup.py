@@ -155,6 +155,7 @@ OTHER_PROGRAMS = {
     "--enable-cache-report",  # sglang
     "--enable-metrics",  # sglang
     "--max-num-seqs",  # vllm serve
+    "--idle-s",  # bench/shared_state_http_cpu.py
     "--max-running-requests",  # sglang
     "--find-links",  # pip
     "--strict",  # mkdocs build

@@ -192,6 +192,19 @@ def _router_workers(url: str) -> dict[str, Any]:
     return {w["url"]: w for w in r.json()}
 
 
+def _router(fleet: Fleet, logs: str, *flags: str) -> Server:
+    """``kvroute serve`` in front of both replicas, prompts as token IDs."""
+    port = free_port()
+    argv = kvroute_argv(
+        "serve",
+        *("--worker-urls", fleet.a.url, fleet.b.url),
+        *("--port", str(port)),
+        *flags,
+        "--token-id-prompts",
+    )
+    return start_server("router", argv, port, timeout_s=60, log_dir=logs)
+
+
 def test_router_stops_sending_a_prefix_where_it_was_evicted(fleet: Fleet) -> None:
     """``kvroute serve --kv-events``: p goes to X through the router, and to Y directly
     (the router never saw that). X then evicts p under other traffic. The router must
@@ -199,24 +212,15 @@ def test_router_stops_sending_a_prefix_where_it_was_evicted(fleet: Fleet) -> Non
     a, b = fleet.a, fleet.b
     for s in (a, b):  # AllBlocksCleared: both streams fully known (B was stale)
         clear_cache(s)
-    port = free_port()
-    argv = kvroute_argv(
-        "serve",
-        "--worker-urls",
-        a.url,
-        b.url,
+    logs = tempfile.mkdtemp(prefix="kvroute-router-")
+    router = _router(
+        fleet,
+        logs,
         "--policy",
         "cache_aware",
-        "--port",
-        str(port),
-        "--kv-events",
-        fleet.specs[0],
-        "--kv-events",
-        fleet.specs[1],
-        "--token-id-prompts",
+        *("--kv-events", fleet.specs[0]),
+        *("--kv-events", fleet.specs[1]),
     )
-    logs = tempfile.mkdtemp(prefix="kvroute-router-")
-    router = start_server("router", argv, port, timeout_s=60, log_dir=logs)
     try:
         time.sleep(1.0)  # the router's SUB sockets reach both engines
         for s in (a, b):  # a batch each so both streams start (precise after the clear)
@@ -265,20 +269,8 @@ def test_router_finds_each_replicas_events_itself(fleet: Fleet) -> None:
             wanted.endpoint,
             wanted.replay_endpoint,
         )
-    port = free_port()
-    argv = kvroute_argv(
-        "serve",
-        "--worker-urls",
-        a.url,
-        b.url,
-        "--port",
-        str(port),
-        "--kv-events",
-        "auto",
-        "--token-id-prompts",
-    )
     logs = tempfile.mkdtemp(prefix="kvroute-router-")
-    router = start_server("router", argv, port, timeout_s=60, log_dir=logs)
+    router = _router(fleet, logs, "--kv-events", "auto")
     try:
         time.sleep(1.0)  # the router's SUB sockets reach both engines
         for s in (a, b):  # a batch each so both streams start
