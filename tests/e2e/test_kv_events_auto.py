@@ -66,6 +66,12 @@ def test_router_follows_the_events_each_engine_says_it_publishes(
     for w in (a, b):
         wait_for(lambda w=w: _precise_after_traffic(router, w), 20, f"{w.url} precise")
     assert _modes(router)[silent.url] == "approximate"
+    rows = {w["url"]: w for w in httpx.get(router.url + "/workers", timeout=5).json()}
+    assert {u: w["kv_events"] for u, w in rows.items()} == {
+        a.url: f"ipc://{tmp_path}/a.sock",
+        b.url: f"ipc://{tmp_path}/b.sock",
+        silent.url: None,
+    }
     log = Path(router.log_path or "")
     wait_for(
         lambda: "publishes no KV events" in log.read_text(), 10, "the silent worker's log line"

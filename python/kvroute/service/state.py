@@ -119,6 +119,8 @@ class RouterState:
                 "circuit_open": now < w.circuit_open_until,
                 "half_open": w.half_open and now >= w.circuit_open_until,
                 "mode": self.events.mode(w.url) if self.events is not None else "approximate",
+                # Where its KV events are read (given, or as its engine said: auto).
+                "kv_events": self._event_endpoint(w.url),
                 "capacity": self.worker_capacity(w.url),
                 "capacity_source": self.capacity_source(w.url),
                 # The most its engine was seen running with nothing waiting (learned).
@@ -132,6 +134,10 @@ class RouterState:
             }
             for w in self.registry.workers.values()
         ]
+
+    def _event_endpoint(self, url: str) -> str | None:
+        source = self.subscriber.sources.get(url) if self.subscriber is not None else None
+        return source.endpoint if source is not None else None
 
     def _peer_json(self, url: str) -> dict[str, Any]:
         if self.store is None:
