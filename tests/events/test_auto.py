@@ -137,7 +137,7 @@ def test_each_worker_is_asked_a_bounded_number_of_times_and_dropped_when_gone() 
 
     sub = _Subscriber()
     sub.sources["http://fixed:1"] = KvEventSource("http://fixed:1", "tcp://x:1")
-    auto = AutoEvents(sub, fixed=["http://fixed:1"])  # type: ignore[arg-type]
+    auto = AutoEvents(sub)  # type: ignore[arg-type]
 
     async def run() -> None:
         for _ in range(ASK_ATTEMPTS + 3):

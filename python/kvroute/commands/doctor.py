@@ -176,26 +176,21 @@ def _reported_sources(urls: list[str], timeout_s: float) -> list[Any]:
 
     from kvroute.events.auto import source_from_answers
     from kvroute.events.spec import KvEventsSpecError
+    from kvroute.fleet.probe.report import get_body
 
-    def body(client: httpx.Client, url: str) -> bytes | None:
+    async def ask(client: httpx.AsyncClient, url: str) -> Any:
+        sources = await get_body(client, url + "/kv_event_sources")
+        info = await get_body(client, url + "/get_server_info")
         try:
-            r = client.get(url)
-        except httpx.HTTPError:
+            return source_from_answers(url, sources, info)
+        except KvEventsSpecError:
             return None
-        return r.content if r.status_code == 200 else None
 
-    found = []
-    with httpx.Client(timeout=timeout_s) as client:
-        for url in urls:
-            sources = body(client, url + "/kv_event_sources")
-            info = body(client, url + "/get_server_info")
-            try:
-                source = source_from_answers(url, sources, info)
-            except KvEventsSpecError:
-                continue
-            if source is not None:
-                found.append(source)
-    return found
+    async def ask_all() -> list[Any]:
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            return list(await asyncio.gather(*(ask(client, u) for u in urls)))
+
+    return [s for s in asyncio.run(ask_all()) if s is not None]
 
 
 async def _probe_all(urls: list[str], tokenizer: Any, given: bool, args: Any) -> list[Any]:

@@ -29,7 +29,7 @@ LOOPBACK = "127.0.0.1"
 # child's own bind, which under a parallel test run happens. Below it only listeners
 # compete, and each pytest-xdist worker draws from its own slice.
 _POOL_FLOOR = 10000
-_EPHEMERAL_DEFAULT = (32768, 60999)
+_EPHEMERAL_FLOOR = 32768  # Linux's default, where the setting cannot be read
 _next_port: int | None = None
 
 
@@ -38,7 +38,7 @@ def _ephemeral_floor() -> int:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             return int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
-        return _EPHEMERAL_DEFAULT[0]
+        return _EPHEMERAL_FLOOR
 
 
 def _port_slice() -> range | None:

@@ -178,9 +178,8 @@ Reader = Callable[[str, str], Awaitable[bytes | None]]
 class AutoEvents:
     """Which workers' KV events this router follows because their engines said where."""
 
-    def __init__(self, subscriber: KvEventSubscriber, fixed: Collection[str] = ()) -> None:
+    def __init__(self, subscriber: KvEventSubscriber) -> None:
         self.subscriber = subscriber
-        self.fixed = set(fixed)  # workers given by an explicit --kv-events: never asked
         self.followed: dict[str, KvEventSource] = {}
         self._asked: dict[str, int] = {}
         self._said: dict[str, str] = {}  # the last reason logged per worker
@@ -189,7 +188,7 @@ class AutoEvents:
     async def follow(self, worker: str, read: Reader) -> None:
         """Ask ``worker``'s engine where it publishes (``read(worker, path)``: the body of
         a 200 answer, else None) and subscribe, unless known or asked enough."""
-        if worker in self.fixed or worker in self.subscriber.sources or worker in self._asking:
+        if worker in self.subscriber.sources or worker in self._asking:
             return  # given explicitly (flag, POST /workers), followed, or being asked
         asked = self._asked.get(worker, 0)
         if asked >= ASK_ATTEMPTS:

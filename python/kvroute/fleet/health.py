@@ -43,6 +43,7 @@ from kvroute.fleet.engine_load import (
     parse_sglang_capacity,
 )
 from kvroute.fleet.models import parse_models
+from kvroute.fleet.probe.report import get_body
 from kvroute.fleet.registry import Registry
 from kvroute.routing.load import LoadModel
 
@@ -67,11 +68,7 @@ class Checked(Protocol):
 
 async def read_body(state: Checked, url: str, path: str) -> bytes | None:
     """The body of ``GET url+path`` if it answers 200 within the health check timeout."""
-    try:
-        r = await state.client.get(url + path, timeout=state.settings.health_check_timeout_secs)
-    except httpx.HTTPError:
-        return None
-    return r.content if r.status_code == 200 else None
+    return await get_body(state.client, url + path, state.settings.health_check_timeout_secs)
 
 
 async def read_reported_capacity(state: Checked, url: str) -> None:

@@ -385,7 +385,7 @@ def setup_precise(state: RouterState) -> None:
     state.events = tracker
     state.subscriber = KvEventSubscriber(sources, tracker)
     if is_auto(state.settings.kv_events):
-        auto = AutoEvents(state.subscriber, fixed=[s.worker for s in sources])
+        auto = AutoEvents(state.subscriber)  # explicit sources are in it: never asked
 
         async def follow(url: str) -> None:
             await auto.follow(url, lambda u, path: read_body(state, u, path))

@@ -40,6 +40,7 @@ from kvroute.fleet.probe.report import (
     VLLM_EVENTS,
     Finding,
     WorkerReport,
+    get_body,
     get_json,
     read_metrics,
 )
@@ -63,15 +64,6 @@ def clock_skew(date_header: str | None, now: float) -> float | None:
         return email.utils.parsedate_to_datetime(date_header).timestamp() - now
     except (TypeError, ValueError):
         return None
-
-
-async def _body(client: httpx.AsyncClient, url: str) -> bytes | None:
-    """The body of a 200 answer to ``GET url``, else None."""
-    try:
-        r = await client.get(url)
-    except httpx.HTTPError:
-        return None
-    return r.content if r.status_code == 200 else None
 
 
 async def probe_worker(
@@ -144,7 +136,7 @@ async def probe_worker(
         sglang_settings(rep, server_info or {})
     else:
         vllm_settings(rep, metrics)
-        rep.kv_event_sources = await _body(client, url + "/kv_event_sources")
+        rep.kv_event_sources = await get_body(client, url + "/kv_event_sources")
     await probe_cache(client, rep, metrics, max_len)
     await compare_tokenizer(client, rep, tokenizer, tokenizer_given)
     return rep

@@ -54,6 +54,18 @@ class WorkerReport:
         return out
 
 
+async def get_body(
+    client: httpx.AsyncClient, url: str, limit_s: float | None = None
+) -> bytes | None:
+    """The body of a 200 answer to ``GET url`` (within ``limit_s``, default: the
+    client's timeout), else None."""
+    try:
+        r = await client.get(url, timeout=httpx.USE_CLIENT_DEFAULT if limit_s is None else limit_s)
+    except httpx.HTTPError:
+        return None
+    return r.content if r.status_code == 200 else None
+
+
 async def get_json(client: httpx.AsyncClient, url: str) -> Any:
     """The JSON answer of ``GET url``, or None when it is not a 200 JSON answer."""
     try:
