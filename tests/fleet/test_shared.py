@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import math
 
 import numpy as np
 import orjson
@@ -226,7 +227,7 @@ def test_load_reaches_the_other_routers_as_it_changes() -> None:
     t1 = mine.reserve("http://a", 5000, 10, 0.0)
     t2 = mine.reserve("http://a", 3000, 10, 0.0)
     assert woken and pub.dirty
-    sub.apply(b"r1", pub.take())
+    sub.apply(b"r1", pub.take()[0])
     assert not pub.dirty
     assert (sub.flight, sub.pending, sub.tokens) == (
         {"http://a": 2},
@@ -242,7 +243,7 @@ def test_load_reaches_the_other_routers_as_it_changes() -> None:
     # guard weighs the fleet's queue, not a third of it (2 waiting over 2 workers).
     assert theirs.queued_per_worker(["http://a", "http://b"]) == 1.0
     t1.first_byte(0.1)  # decoding: still in flight, no longer queued for prefill
-    sub.apply(b"r1", pub.take())
+    sub.apply(b"r1", pub.take()[0])
     assert (sub.flight, sub.pending, sub.tokens) == (
         {"http://a": 2},
         {"http://a": 1},
@@ -250,11 +251,11 @@ def test_load_reaches_the_other_routers_as_it_changes() -> None:
     )
     t1.end(0.2)
     t2.end(0.2)
-    sub.apply(b"r1", pub.take())  # absolute values: back to nothing
+    sub.apply(b"r1", pub.take()[0])  # absolute values: back to nothing
     assert (sub.flight, sub.pending, sub.tokens) == ({}, {}, {})
     # Known only from its heartbeat until it publishes; an expired router stops counting.
     mine.reserve("http://b", 100, 10, 0.3)
-    sub.apply(b"r1", pub.take())
+    sub.apply(b"r1", pub.take()[0])
     sub.beat(b"r2", {"http://b": 5})
     sub.beat(b"r1", {"http://b": 9})  # r1 published: its records win over its beat
     assert sub.flight == {"http://b": 6}
@@ -273,6 +274,63 @@ def test_load_reaches_the_other_routers_as_it_changes() -> None:
     )
     with pytest.raises(ValueError):
         sub.apply(b"r3", b"\x08\x00\x03\x00")
+
+
+def test_decoding_requests_ends_reach_the_other_routers_on_their_own_clocks() -> None:
+    """With a worker's load go its decoding requests' expected ends, in seconds from the
+    write: the other router reads them on its own clock (no clocks need agree), merges
+    them over routers, and drops them when they end or their router leaves."""
+    from kvroute.fleet.shared.loads import SharedLoad, pack_ends, unpack_ends
+    from kvroute.routing.load import ENDS_SHARED, LoadModel
+
+    mine, theirs, third = LoadModel(), LoadModel(), LoadModel()
+    mine.clock = lambda: 100.0  # the publisher's clock ...
+    theirs.clock = lambda: 5.0  # ... and the receiver's: unrelated
+    third.clock = lambda: 0.0
+    pub = SharedLoad(mine, lambda: None)
+    other = SharedLoad(third, lambda: None)
+    sub = SharedLoad(theirs, lambda: None)
+    for m in (mine, theirs, third):
+        m.add_worker("http://a")
+    t1 = mine.reserve("http://a", 100, 11, 100.0)
+    t2 = mine.reserve("http://a", 100, 51, 100.0)
+    load, ends = pub.take()
+    assert ends == b""  # none decoding yet
+    t1.first_byte(100.0)
+    t2.first_byte(100.0)
+    load, ends = pub.take()
+    sub.apply(b"r1", load)
+    sub.apply_ends(b"r1", ends)
+    st = mine.workers["http://a"]
+    expected = [5.0 + e[0] - 100.0 for e in st.ends]
+    assert [e[0] for e in sub.ends["http://a"]] == pytest.approx(expected, rel=1e-6)
+    assert theirs.peer_ends is sub.ends
+    # A second router's, merged in time order.
+    t3 = third.reserve("http://a", 100, 31, 0.0)
+    t3.first_byte(0.0)
+    sub.apply_ends(b"r3", other.take()[1])
+    merged = [e[0] for e in sub.ends["http://a"]]
+    assert merged == sorted(merged) and len(merged) == 3
+    # Ended: the publisher sends an empty list once, and the receiver drops its ends.
+    t1.end(100.1)
+    t2.end(100.1)
+    load, ends = pub.take()
+    assert ends != b""
+    sub.apply_ends(b"r1", ends)
+    assert len(sub.ends["http://a"]) == 1
+    mine.reserve("http://a", 100, 11, 100.2)
+    assert pub.take()[1] == b""  # nothing was sent since: nothing to clear
+    sub.keep({b"r1"})  # the third router's heartbeat expired
+    assert sub.ends == {}
+    # The wire: at most ENDS_SHARED per worker, non-finite values dropped, sorted; a
+    # truncated blob is refused.
+    many = [float(i) for i in range(ENDS_SHARED + 10, 0, -1)]
+    ((url, got),) = list(unpack_ends(pack_ends([("http://a", many)])))
+    assert url == "http://a" and len(got) == ENDS_SHARED and got == sorted(got)
+    ((_, got),) = list(unpack_ends(pack_ends([("http://a", [1.0, math.nan, math.inf, 0.5])])))
+    assert got == [0.5, 1.0]
+    with pytest.raises(ValueError):
+        sub.apply_ends(b"r1", pack_ends([("http://a", [1.0, 2.0])])[:-3])
 
 
 def test_xadd_is_the_command_redis_py_would_send() -> None:
@@ -305,6 +363,14 @@ def test_xadd_is_the_command_redis_py_would_send() -> None:
                 wire.insert_entry(b"abc", decisions, b"\x02" * 30, keying=x),
             ),
             (commands.load(b"\x02" * 30), wire.insert_entry(b"abc", [], b"\x02" * 30, keying=x)),
+            (
+                commands.load(b"\x02" * 30, b"\x04" * 12),
+                wire.insert_entry(b"abc", [], b"\x02" * 30, keying=x, ends=b"\x04" * 12),
+            ),
+            (
+                commands.inserts(wire.pack_inserts(decisions), b"\x02" * 30, b"\x04" * 12),
+                wire.insert_entry(b"abc", decisions, b"\x02" * 30, keying=x, ends=b"\x04" * 12),
+            ),
         ):
             parts = made.split(b"\r\n")
             entry[b"t"] = parts[parts.index(b"t") + 2]  # the clock, where the encoder put it

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvroute.routing.load import (
+    PRIOR_OUTPUT_TOKENS,
     PRIOR_OVERHEAD_S,
     PRIOR_PREFILL_TPS,
     LoadModel,
@@ -137,6 +138,37 @@ def test_a_full_worker_s_slot_frees_when_its_soonest_decode_ends() -> None:
     m.others = {"w": 4}
     spread = m.slot_wait("w")
     assert 0 < spread < 500 * d
+
+
+def test_a_full_worker_s_slot_frees_at_the_ends_other_routers_published() -> None:
+    """Other router replicas' decoding requests end where their routers said they would
+    (``peer_ends``, shared through the store), as ours do, not after an even share of a
+    mean decode each; theirs still waiting for a first byte (``peer_pending``) are a
+    whole decode away, as ours are."""
+    now = [10.0]
+    m = LoadModel()
+    m.clock = lambda: now[0]
+    m.fixed_capacity = 2
+    whole = PRIOR_OUTPUT_TOKENS * m.state("w").per_token(2)  # a mean decode, full batch
+    m.peer = {"w": 2}  # two other routers' requests run there: full
+    assert m.slot_wait("w") == pytest.approx(whole / 3)  # the 1st of 2, spread
+    m.peer_ends = {"w": [(10.05,), (15.0,)]}  # they said: one ends in 50 ms
+    assert m.slot_wait("w") == pytest.approx(0.05)
+    # A third waits for its first byte: the queue's second waits for the end at 15 s.
+    m.peer, m.peer_pending = {"w": 3}, {"w": 1}
+    assert m.slot_wait("w") == pytest.approx(5.0)
+    # Ours and theirs in time order: ours decodes 20 more tokens from 10 s.
+    m.peer, m.peer_pending = {"w": 2}, {"w": 0}
+    t = m.reserve("w", 10, 21, now=10.0)
+    t.first_byte(10.0)
+    ours = t.end_at[0] - 10.0 if t.end_at is not None else 0.0
+    assert 0.05 < ours < 5.0
+    assert m.slot_wait("w") == pytest.approx(ours)  # the 2nd of 10.05, ours, 15
+    m.peer_ends = {"w": [(16.0,), (17.0,)]}
+    assert m.slot_wait("w") == pytest.approx(6.0)  # the 2nd of ours, 16, 17
+    # A list newer than the count of their requests: none left of unknown progress.
+    m.peer = {"w": 1}
+    assert m.slot_wait("w") == pytest.approx(ours)
 
 
 def test_slot_waits_follow_the_decode_speed_learned_for_the_batch() -> None:

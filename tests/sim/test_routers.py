@@ -265,6 +265,24 @@ def test_a_store_decision_reaches_the_other_replicas_after_its_delay() -> None:
     assert tier.peer[1][first] >= 1  # replica 0's request counts on replica 1's loads
 
 
+def test_replicas_sharing_a_store_hear_when_each_other_s_decodes_end() -> None:
+    """A decoding request's expected end reaches the other replicas with its load, the
+    store's delay late (as serve reads them, on arrival), and leaves when it ends."""
+    tier = RouterTier(cache_aware, worker_names(2), replicas=2, store_delay_s=1.0, heartbeat_s=60)
+    w = tier.route(0, RouteRequest(tokens=prompt(3)), now=0.0, output_len=101)  # replica 0
+    tier.first_byte(0, 0.1)
+    ticket = tier.ticket(0)
+    assert ticket is not None and ticket.end_at is not None
+    tier.route(1, RouteRequest(tokens=prompt(4)), now=0.5)  # replica 1: not yet heard
+    assert tier.work[1].peer_ends == {}
+    tier.route(2, RouteRequest(tokens=prompt(5)), now=1.2)  # replica 0 routes; 1 hears
+    ((end,),) = tier.work[1].peer_ends[w]
+    assert end == pytest.approx(ticket.end_at[0] + 1.0)  # the store's delay late
+    tier.done(0, 1.3)
+    tier.route(3, RouteRequest(tokens=prompt(6)), now=2.4)
+    assert w not in tier.work[1].peer_ends
+
+
 def test_capacity_is_learned_only_at_engine_polls_as_serve_learns_it() -> None:
     """``learn_at_polls``: a worker's capacity (what the saturation guard and the work
     model's slot wait need) is learned only when an engine poll finds it queueing, as

@@ -58,7 +58,7 @@ from kvroute.config import Settings
 from kvroute.fleet.budget import IndexBudget
 from kvroute.fleet.engine_load import CapacityLearner
 from kvroute.fleet.shared import DigestIndex
-from kvroute.routing.load import LoadModel, Ticket
+from kvroute.routing.load import ENDS_SHARED, LoadModel, Ticket
 from kvroute.routing.policies.base import Decision, Policy, RouteRequest
 from kvroute.sim.cache import PrefixCache
 
@@ -137,7 +137,9 @@ class RouterTier:
         self._wire: deque[tuple[float, int, str, bytes]] = deque()
         # Published load, whenever it changes: (visible at, publisher, worker, (its
         # requests in flight there, those waiting for a first byte, their uncached tokens)).
-        self._work_wire: deque[tuple[float, int, str, tuple[int, int, int]]] = deque()
+        self._work_wire: deque[tuple[float, int, str, tuple[int, int, int], tuple[float, ...]]] = (
+            deque()
+        )
         self._now = 0.0
         self._in_bytes = index_in_bytes
         # Per replica, its index budgets (serve's IndexBudget) and index, when budgeted by
@@ -163,6 +165,12 @@ class RouterTier:
         self.peer_pending = [dict.fromkeys(self.names, 0) for _ in self.policies]
         self.peer_prefill = [dict.fromkeys(self.names, 0) for _ in self.policies]
         self._heard: list[dict[tuple[int, str], tuple[int, int, int]]] = [{} for _ in self.policies]
+        # Per replica, the others' decoding requests' ends per worker (merged), and each
+        # other's last published list (``SharedLoad``'s ends, in virtual time).
+        self.peer_ends: list[dict[str, list[tuple[float]]]] = [{} for _ in self.policies]
+        self._heard_ends: list[dict[tuple[int, str], list[tuple[float]]]] = [
+            {} for _ in self.policies
+        ]
         self.learner = learner
         # Decisions by reason, over every replica (serve's kvroute_routing_decisions_total).
         self.reasons: Counter[str] = Counter()
@@ -179,6 +187,7 @@ class RouterTier:
                 model.peer = self.peer[k]
                 model.peer_pending = self.peer_pending[k]
                 model.peer_prefill = self.peer_prefill[k]
+                model.peer_ends = self.peer_ends[k]
                 model.on_change = self._work_publisher(k)
             if getattr(pol, "work", None) is not None:
                 pol.work = model  # type: ignore[attr-defined]
@@ -237,7 +246,11 @@ class RouterTier:
             st = self.work[k].state(worker)
             at = self._now + self.store_delay_s
             load = (st.requests, len(st.pending), st.prefill_tokens)
-            self._work_wire.append((at, k, worker, load))
+            # As serve publishes them: seconds from now, read at delivery on the
+            # receiver's clock (so they arrive the store's delay late, as there).
+            now = self._now
+            ends = tuple(e[0] - now for e in st.ends[:ENDS_SHARED])
+            self._work_wire.append((at, k, worker, load, ends))
 
         return publish
 
@@ -251,7 +264,7 @@ class RouterTier:
                     ix.insert_digests(worker, digests)
         work = self._work_wire
         while work and work[0][0] <= now:
-            _, k, worker, load = work.popleft()
+            at, k, worker, load, ends = work.popleft()
             for j, heard in enumerate(self._heard):
                 if j != k:
                     was = heard.get((k, worker), (0, 0, 0))
@@ -259,6 +272,15 @@ class RouterTier:
                     self.peer[j][worker] += load[0] - was[0]
                     self.peer_pending[j][worker] += load[1] - was[1]
                     self.peer_prefill[j][worker] += load[2] - was[2]
+                    heard_ends = self._heard_ends[j]
+                    heard_ends[k, worker] = [(at + d,) for d in ends]
+                    merged = sorted(
+                        e for (i, w), got in heard_ends.items() if w == worker for e in got
+                    )
+                    if merged:
+                        self.peer_ends[j][worker] = merged
+                    else:
+                        self.peer_ends[j].pop(worker, None)
 
     def _clock(self) -> float:
         """The virtual time of the event being handled (the work models' clock)."""

@@ -66,6 +66,9 @@ class Applier:
         if queued and self.shared_load is not None:
             try:
                 self.shared_load.apply(fields.get(b"r", b""), queued)
+                ends = fields.get(wire.ENDS)
+                if ends:
+                    self.shared_load.apply_ends(fields.get(b"r", b""), ends)
             except ValueError:
                 self.counters.malformed += 1
         if kind == wire.LOAD:

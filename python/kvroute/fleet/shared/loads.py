@@ -26,18 +26,33 @@ Every router keeps the others' last values per (router, worker) and their sums
 ``peer_pending``, ``peer_prefill``). A router whose heartbeat expired is dropped
 (``keep``); with Redis gone, everything is forgotten (``clear``) and each router
 balances and predicts on its own.
+
+With each changed worker's values go its decoding requests' expected ends (``pack_ends``:
+the soonest ``ENDS_SHARED``, in seconds from the write; read on the receiver's clock when
+they arrive, so no clocks need agree, and the store's delay makes them that much late).
+A worker at its capacity frees a slot when the first of its running requests ends: a
+router that knew its own requests' ends but only counted the others' (an even share of
+a mean decode each) priced full workers differently from one router that knows them
+all, and three replicas moved requests off their cache holders where one router did not
+(``bench/sim_shared_state.py``, llm-d: 2.5-7 points of hit rate below one router over
+five seeds at 2 ms; with the ends shared within 1 point but one). The receiver keeps each
+router's last list per worker and their merge (``ends``: the load model's
+``peer_ends``).
 """
 
 from __future__ import annotations
 
+import math
 import struct
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from heapq import merge
 
 from kvroute.fleet.shared.wire import encoded
-from kvroute.routing.load import LoadModel
+from kvroute.routing.load import ENDS_SHARED, LoadModel
 
 _REC = struct.Struct("<HIII")  # URL length, in flight, waiting for a first byte, tokens
 _MAX = 0xFFFFFFFF
+_ENDS = struct.Struct("<HH")  # URL length, ends (each a little-endian float32) that follow
 
 
 def pack(values: list[tuple[str, int, int, int]]) -> bytes:
@@ -67,6 +82,35 @@ def unpack(blob: bytes) -> Iterator[tuple[str, int, int, int]]:
         at += n_url
 
 
+def pack_ends(values: Iterable[tuple[str, Sequence[float]]]) -> bytes:
+    """Per worker URL, its ends in seconds from now (at most ``ENDS_SHARED`` kept)."""
+    parts: list[bytes] = []
+    for url, ends in values:
+        raw = encoded(url)
+        k = min(len(ends), ENDS_SHARED)
+        parts += (_ENDS.pack(len(raw), k), raw, struct.pack(f"<{k}f", *ends[:k]))
+    return b"".join(parts)
+
+
+def unpack_ends(blob: bytes) -> Iterator[tuple[str, list[float]]]:
+    """The records of ``pack_ends`` (at most ``ENDS_SHARED`` ends each, finite ones
+    only, sorted); raises ValueError on a truncated blob."""
+    view = memoryview(blob)
+    at, end = 0, len(blob)
+    while at < end:
+        if at + _ENDS.size > end:
+            raise ValueError("truncated ends record")
+        n_url, k = _ENDS.unpack_from(view, at)
+        at += _ENDS.size
+        if at + n_url + 4 * k > end:
+            raise ValueError("truncated ends record")
+        url = bytes(view[at : at + n_url]).decode(errors="replace")
+        at += n_url
+        got = struct.unpack_from(f"<{k}f", view, at)
+        at += 4 * k
+        yield url, sorted(e for e in got[:ENDS_SHARED] if math.isfinite(e))
+
+
 class SharedLoad:
     """This router's load to publish, and the other routers' to balance and predict on.
 
@@ -82,11 +126,17 @@ class SharedLoad:
         self.tokens: dict[str, int] = {}  # worker -> their uncached tokens, summed
         self._heard: dict[bytes, dict[str, tuple[int, int, int]]] = {}
         self._from_beat: set[bytes] = set()  # routers known only from their heartbeat
+        # worker -> the others' decoding requests' ends (model clock), merged; and each
+        # router's last list per worker.
+        self.ends: dict[str, list[tuple[float]]] = {}
+        self._heard_ends: dict[bytes, dict[str, list[tuple[float]]]] = {}
+        self._ends_sent: set[str] = set()  # workers whose last published ends were some
         self._dirty: set[str] = set()
         self._wake = wake
         model.peer = self.flight
         model.peer_pending = self.pending
         model.peer_prefill = self.tokens
+        model.peer_ends = self.ends
         model.on_change = self.changed
 
     # ----------------------------------------------------------- publishing
@@ -104,11 +154,17 @@ class SharedLoad:
     def resend_all(self) -> None:
         """After (re)connecting: the peers may have missed changes, send every value."""
         self._dirty.update(self.model.workers)
+        self._ends_sent.update(self.model.workers)  # and clear any ends they keep of ours
 
-    def take(self) -> bytes:
-        """The current values of the workers changed since the last call, packed."""
+    def take(self) -> tuple[bytes, bytes]:
+        """The current values of the workers changed since the last call, packed, and
+        their decoding requests' ends (``pack_ends``; b"": none to send)."""
         workers = self.model.workers
+        clock = self.model.clock
+        now = clock() if clock is not None else None
+        sent = self._ends_sent
         parts: list[bytes] = []
+        ends: list[bytes] = []
         for url in self._dirty:
             raw = encoded(url)
             st = workers.get(url)
@@ -121,8 +177,17 @@ class SharedLoad:
                     flight, n, tokens = st.requests, len(st.pending), st.prefill_tokens
                     rec = _REC.pack(len(raw), _clamp(flight), _clamp(n), _clamp(tokens))
                 parts += (rec, raw)
+                if st.ends and now is not None:
+                    k = min(len(st.ends), ENDS_SHARED)
+                    times = [e[0] - now for e in st.ends[:k]]
+                    ends += (_ENDS.pack(len(raw), k), raw, struct.pack(f"<{k}f", *times))
+                    sent.add(url)
+                    continue
+            if url in sent:  # none now: the others drop what they keep
+                ends += (_ENDS.pack(len(raw), 0), raw)
+                sent.discard(url)
         self._dirty.clear()
-        return b"".join(parts)
+        return b"".join(parts), b"".join(ends)
 
     # ----------------------------------------------------------- applying
 
@@ -130,6 +195,28 @@ class SharedLoad:
         """Another router's values (raises ValueError on a malformed blob)."""
         self._from_beat.discard(router)
         self._set(router, [(url, (f, n, t)) for url, f, n, t in unpack(blob)])
+
+    def apply_ends(self, router: bytes, blob: bytes) -> None:
+        """Another router's decoding requests' ends (raises ValueError on a malformed
+        blob), read on the model's clock as they arrive."""
+        clock = self.model.clock
+        if clock is None:
+            return
+        now = clock()
+        heard = self._heard_ends.setdefault(router, {})
+        for url, ends in unpack_ends(blob):
+            if ends:
+                heard[url] = [(now + e,) for e in ends]
+            elif heard.pop(url, None) is None:
+                continue
+            self._merge_ends(url)
+
+    def _merge_ends(self, url: str) -> None:
+        lists = [heard[url] for heard in self._heard_ends.values() if url in heard]
+        if not lists:
+            self.ends.pop(url, None)
+        else:
+            self.ends[url] = lists[0] if len(lists) == 1 else list(merge(*lists))
 
     def beat(self, router: bytes, flight: dict[str, int]) -> None:
         """A live router's heartbeat (its in flight per worker): counted only until it
@@ -156,10 +243,15 @@ class SharedLoad:
             self._from_beat.discard(router)
             for url, (flight, n, tokens) in self._heard.pop(router).items():
                 self._add(url, -flight, -n, -tokens)
+        for router in [r for r in self._heard_ends if r not in live]:
+            for url in self._heard_ends.pop(router):
+                self._merge_ends(url)
 
     def clear(self) -> None:
         self._heard.clear()
         self._from_beat.clear()
+        self._heard_ends.clear()
+        self.ends.clear()
         self.flight.clear()
         self.pending.clear()
         self.tokens.clear()

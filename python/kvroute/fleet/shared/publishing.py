@@ -96,24 +96,23 @@ class Publisher:
     def _write(self, writer: asyncio.StreamWriter) -> None:
         """Everything queued, as ``XADD``s in one write; no reply comes back."""
         shared = self.shared_load
-        load = shared.take() if shared is not None and shared.dirty else b""
+        load, ends = shared.take() if shared is not None and shared.dirty else (b"", b"")
         buf = self._buf
         n = len(buf)
         if n == 0:
             if load:
-                writer.write(self._commands.load(load))
+                writer.write(self._commands.load(load, ends))
             return
         if n <= wire.PER_ENTRY:  # the usual case: one entry
-            data = self._commands.inserts(wire.pack_inserts(buf), load)
+            data = self._commands.inserts(wire.pack_inserts(buf), load, ends)
             buf.clear()
         else:
             batch = [buf.popleft() for _ in range(n)]
             commands = []
             for i in range(0, n, wire.PER_ENTRY):
-                commands.append(
-                    self._commands.inserts(wire.pack_inserts(batch[i : i + wire.PER_ENTRY]), load)
-                )
-                load = b""  # rides with the first entry
+                blob = wire.pack_inserts(batch[i : i + wire.PER_ENTRY])
+                commands.append(self._commands.inserts(blob, load, ends))
+                load = ends = b""  # ride with the first entry
             data = b"".join(commands)
         writer.write(data)
         self.counters.published += n

@@ -15,7 +15,10 @@ Keys (all under ``kvroute:``; one fleet per Redis database, chosen by the URL's 
     of the tokenizer), so a router keyed differently leaves them out. Field ``p``
     (with kind ``i``, or alone with kind ``p``): the publisher's load per worker that
     changed since its last entry (``loads.pack``: requests in flight, those waiting for
-    a first byte, their uncached tokens).
+    a first byte, their uncached tokens). Field ``e`` (with ``p``): for those workers,
+    when the publisher expects its decoding requests there to end (``loads.pack_ends``:
+    up to ``ENDS_SHARED`` per worker, soonest first, in seconds from the write, so no
+    clocks need agree); routers that do not read it ignore it.
 ``kvroute:stream``
     The shared stream, same fields, trimmed the same way. Kinds ``a`` / ``d``: worker
     ``w`` added / removed; ``c``: the workers' caches were flushed
@@ -61,6 +64,7 @@ LOAD_FIELD = "l:"
 
 INSERT, ADDED, REMOVED, CLEARED, LOAD, HELLO = b"i", b"a", b"d", b"c", b"p", b"h"
 KEYING = b"x"
+ENDS = b"e"
 
 
 def now_ms() -> int:
@@ -104,7 +108,11 @@ def unpack_inserts(blob: bytes) -> Iterator[tuple[bytes, bytes]]:
 
 
 def insert_entry(
-    router: bytes, decisions: Sequence[tuple[str, bytes]], load: bytes = b"", keying: bytes = b""
+    router: bytes,
+    decisions: Sequence[tuple[str, bytes]],
+    load: bytes = b"",
+    keying: bytes = b"",
+    ends: bytes = b"",
 ) -> dict[bytes, bytes]:
     t = b"%d" % now_ms()
     entry = {b"x": keying} if keying and decisions else {}
@@ -113,6 +121,8 @@ def insert_entry(
         entry[b"b"] = pack_inserts(decisions)
     if load:
         entry[b"p"] = load
+        if ends:
+            entry[ENDS] = ends
     return entry
 
 
@@ -143,19 +153,32 @@ class Commands:
     ``xadd`` make, with everything but the clock, the decisions and the load encoded
     once (the publisher builds one per write, up to three per request)."""
 
-    __slots__ = ("_insert", "_insert_load", "_load")
+    __slots__ = ("_insert", "_insert_load", "_insert_load_ends", "_load", "_load_ends")
 
     def __init__(self, key: bytes, router: bytes, stream_len: int, keying: bytes = b"") -> None:
         fields = _bulk(b"r") + _bulk(router) + _bulk(b"k")
         self._load = _head(key, stream_len, 4) + fields + _bulk(LOAD) + _bulk(b"t")
+        self._load_ends = _head(key, stream_len, 5) + fields + _bulk(LOAD) + _bulk(b"t")
         # Decisions say what their digests are of (field ``x``, ``KEYING``).
         n, x = (1, _bulk(KEYING) + _bulk(keying)) if keying else (0, b"")
-        self._insert = _head(key, stream_len, 4 + n) + x + fields + _bulk(INSERT) + _bulk(b"t")
-        self._insert_load = _head(key, stream_len, 5 + n) + x + fields + _bulk(INSERT) + _bulk(b"t")
+        insert = x + fields + _bulk(INSERT) + _bulk(b"t")
+        self._insert = _head(key, stream_len, 4 + n) + insert
+        self._insert_load = _head(key, stream_len, 5 + n) + insert
+        self._insert_load_ends = _head(key, stream_len, 6 + n) + insert
 
-    def load(self, load: bytes) -> bytes:
-        """An entry carrying load records only (kind ``p``)."""
+    def load(self, load: bytes, ends: bytes = b"") -> bytes:
+        """An entry carrying load records only (kind ``p``), with their ends if any."""
         t = b"%d" % now_ms()
+        if ends:
+            return b"%s$%d\r\n%s\r\n$1\r\np\r\n$%d\r\n%s\r\n$1\r\ne\r\n$%d\r\n%s\r\n" % (
+                self._load_ends,
+                len(t),
+                t,
+                len(load),
+                load,
+                len(ends),
+                ends,
+            )
         return b"%s$%d\r\n%s\r\n$1\r\np\r\n$%d\r\n%s\r\n" % (
             self._load,
             len(t),
@@ -164,8 +187,9 @@ class Commands:
             load,
         )
 
-    def inserts(self, blob: bytes, load: bytes = b"") -> bytes:
-        """An entry of packed decisions (``pack_inserts``), with load records if any."""
+    def inserts(self, blob: bytes, load: bytes = b"", ends: bytes = b"") -> bytes:
+        """An entry of packed decisions (``pack_inserts``), with load records and their
+        ends if any (ends only with load records)."""
         t = b"%d" % now_ms()
         if not load:
             return b"%s$%d\r\n%s\r\n$1\r\nb\r\n$%d\r\n%s\r\n" % (
@@ -174,6 +198,22 @@ class Commands:
                 t,
                 len(blob),
                 blob,
+            )
+        if ends:
+            return (
+                b"%s$%d\r\n%s\r\n$1\r\nb\r\n$%d\r\n%s\r\n$1\r\np\r\n$%d\r\n%s\r\n"
+                b"$1\r\ne\r\n$%d\r\n%s\r\n"
+                % (
+                    self._insert_load_ends,
+                    len(t),
+                    t,
+                    len(blob),
+                    blob,
+                    len(load),
+                    load,
+                    len(ends),
+                    ends,
+                )
             )
         return b"%s$%d\r\n%s\r\n$1\r\nb\r\n$%d\r\n%s\r\n$1\r\np\r\n$%d\r\n%s\r\n" % (
             self._insert_load,

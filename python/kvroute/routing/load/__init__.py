@@ -24,8 +24,10 @@ What is counted, per worker
       requests in flight (``peer``: slots), and their queued prefill, shared as it
       changes (``peer_pending`` requests waiting for a first byte, ``peer_prefill``
       their uncached tokens): added to the queue ahead exactly as ours, and not counted
-      again among an engine's waiting requests. ``on_change`` tells the store each time
-      one of our requests is reserved, has its first byte or ends.
+      again among an engine's waiting requests; and when their decoding requests are
+      expected to end (``peer_ends``: a full worker's slot frees then, as at ours).
+      ``on_change`` tells the store each time one of our requests is reserved, has its
+      first byte or ends.
 
 Learned speed, per worker (so a heterogeneous fleet is told apart)
     * prefill: time to first byte = ``overhead + uncached tokens / rate``, a line fitted
@@ -92,7 +94,9 @@ The prediction (``ttft``), for a request with ``uncached`` tokens on worker ``w`
               end. Ours past their first byte end when their expected output is out:
               first byte + (expected output - 1) * token(w, batch), batch the
               requests running when it began to decode, and at least one token from
-              now; requests of unknown progress (others', peers') after an even
+              now; other router replicas' decoding requests at the ends their
+              routers published (``peer_ends``, through the store); requests of
+              unknown progress (others', peers' not published) after an even
               share of a mean decode (the k-th of m after k / (m + 1) of
               mean_expected_output * token(w, capacity)), and ours still in prefill
               after a whole one. Without a clock, or with the queue deeper than the
@@ -129,6 +133,7 @@ which the learned rate absorbs at the load it was measured under. Per-request ov
 
 from kvroute.routing.load.estimators import MIN_SAMPLES, WINDOW, MedianEstimator, ResistantLine
 from kvroute.routing.load.model import (
+    ENDS_SHARED,
     KV_FULL,
     PRIOR_DECODE_S,
     PRIOR_OUTPUT_TOKENS,
@@ -143,6 +148,7 @@ from kvroute.routing.load.model import (
 )
 
 __all__ = [
+    "ENDS_SHARED",
     "KV_FULL",
     "MIN_SAMPLES",
     "PRIOR_DECODE_S",

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, insort
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from heapq import merge
 from statistics import median
 from typing import Any
 
@@ -19,6 +20,10 @@ PRIOR_OUTPUT_TOKENS = 256.0
 KV_FULL = 0.95
 OUTPUT_EWMA = 0.05  # weight of one observed output length in the running mean
 TRUST_EWMA = 0.05  # weight of one reported cache hit in the index's trust
+# A router shares the expected ends of at most this many of its decoding requests per
+# worker (the soonest): a full worker's slot wait reads the first few ends past its
+# capacity, and the rest count as of unknown progress.
+ENDS_SHARED = 64
 
 
 @dataclass(slots=True)
@@ -184,10 +189,10 @@ class Ticket:
         self.first_at = now
         st = self.state
         oldest = next(iter(st.pending), None) == self.id
-        if st.pending.pop(self.id, None) is not None:
+        queued = st.pending.pop(self.id, None) is not None
+        if queued:
             st.prefill_tokens -= self.uncached
             st.since.pop(self.id, None)
-            self._model.changed(self.worker)
         elapsed = now - self.started
         previous, ahead_id = st.last_first, st.last_first_id
         st.last_first, st.last_first_id = (now if learn else None), self.id
@@ -212,6 +217,10 @@ class Ticket:
                 self.sample = now - previous
             if self._model.on_observe is not None:
                 self._model.on_observe(self.worker, self.predicted, elapsed)
+        if queued or learn:
+            # Told once the worker's state is whole (its queue and its decodes' ends):
+            # a store may read it at once (the simulator's does).
+            self._model.changed(self.worker)
 
     def end(self, now: float, output_tokens: int | None = None) -> None:
         """The request ended, however (once; releases what is still reserved).
@@ -322,6 +331,12 @@ class LoadModel:
         # None: not shared, the guess above stands.
         self.peer_pending: Mapping[str, int] | None = None
         self.peer_prefill: Mapping[str, int] = {}
+        # When the store shares them: other routers' decoding requests per worker, each
+        # as a 1-tuple of when it is expected to end on this model's clock, soonest
+        # first (``SharedLoad``; at most ``ENDS_SHARED`` per router and worker). A full
+        # worker's slot frees at those ends, as at ours; the peers' requests not listed
+        # are of unknown progress.
+        self.peer_ends: Mapping[str, list[tuple[float]]] = {}
         self.mean_output = PRIOR_OUTPUT_TOKENS
         # The fleet's cache unit (``WorkerWork.grain`` over every worker): what a worker
         # that has reported no cached tokens yet is assumed to cache in.
@@ -567,7 +582,10 @@ class LoadModel:
         n = st.requests + unknown
         if n < cap:
             return 0.0, cap / (cap - n)
-        return self._release(st, n - cap, cap, unknown), float(cap)
+        peers = self.peer_pending
+        prefilling = peers.get(worker, 0) if peers is not None else 0
+        wait = self._release(st, n - cap, cap, unknown, self.peer_ends.get(worker), prefilling)
+        return wait, float(cap)
 
     def _unknown(self, worker: str) -> int:
         """Requests on ``worker`` that are not ours: its engine's beyond ours, and other
@@ -580,28 +598,47 @@ class LoadModel:
         cap = self._capacity(worker, st)
         return n if cap is None else max(1, min(n, cap))
 
-    def _release(self, st: WorkerWork, j: int, cap: int, unknown: int) -> float:
+    def _release(
+        self,
+        st: WorkerWork,
+        j: int,
+        cap: int,
+        unknown: int,
+        peer: list[tuple[float]] | None = None,
+        peer_prefilling: int = 0,
+    ) -> float:
         """Seconds until the ``j``-th (from 0) of a full worker's ``cap`` running
         requests ends: the request waits for that slot (module doc). Ours past their
         first byte end when their expected output is out, at the learned seconds per
-        token of the batch each decodes in; requests of unknown progress (``unknown``:
-        others', peers') end spread evenly over one mean decode of a full batch; the
-        rest of the running ones (ours still in prefill) after a whole one. Without a
-        clock, or with the queue deeper than the running requests, each of ``cap``
-        running requests is taken to end after a uniformly spread share of a mean
-        decode."""
+        token of the batch each decodes in, and the other routers' decoding ones at
+        the ends they published (``peer``); requests of unknown progress (``unknown``:
+        others', peers' neither listed nor among the ``peer_prefilling`` ones waiting
+        for a first byte) end spread evenly over one mean decode of a full batch; the
+        rest of the running ones (ours and peers' still in prefill) after a whole one.
+        Without a clock, or with the queue deeper than the running requests, each of
+        ``cap`` running requests is taken to end after a uniformly spread share of a
+        mean decode."""
         mean_out = st.decode_tokens / st.requests if st.requests else self.mean_output
         token = st.per_token(cap)  # one token, in a full batch
         whole = mean_out * token
         spread = (j + 1) / (cap + 1) * whole
-        ends = st.ends
+        ends: Sequence[tuple[float, ...]] = st.ends
         now = self._now()
-        if now is None or not ends or j >= cap:
+        if now is None or not (ends or peer) or j >= cap:
             return spread
         fit = (st.decode.intercept, st.decode.slope)
         if st.ends_fit != fit:
-            ends[:] = sorted((_ends_at(f, r, b, fit), f, r, b, tid) for _, f, r, b, tid in ends)
+            st.ends[:] = sorted(
+                (_ends_at(f, r, b, fit), f, r, b, tid) for _, f, r, b, tid in st.ends
+            )
             st.ends_fit = fit
+        if peer:
+            # The other routers' decoding requests end where they said: no longer of
+            # unknown progress.
+            ends = list(merge(st.ends, peer))
+            unknown -= len(peer)
+        # Theirs still in prefill are a whole decode away, as ours are.
+        unknown = max(0, unknown - peer_prefilling)
         prefilling = max(0, cap - len(ends) - unknown)
         if not unknown:
             # Only ours: the j-th of the decoding ones' ends and the prefilling ones',
