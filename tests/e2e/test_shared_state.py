@@ -185,6 +185,31 @@ def test_load_through_one_router_steers_another(
     assert all(w["peer_prefill_requests"] == 0 and w["peer_prefill_tokens"] == 0 for w in rows)
 
 
+def test_a_streamed_request_s_expected_end_reaches_the_other_router(
+    tmp_path: Path, processes: list[Server], redis_server: RedisServer, routers: Routers
+) -> None:
+    """Once a stream through router 1 decodes, router 2 knows when it should end (a full
+    worker's slot frees then), and forgets it when it ends."""
+    (w,) = workers(tmp_path, processes, 1)
+    control(w, chunks=40, chunk_delay_s=0.05)  # a 2 s stream
+    r1, r2 = routers(2, [w.url], redis_server.url)
+
+    def decoding() -> int | None:
+        rows = httpx.get(r2.url + "/workers", timeout=5).json()
+        return int(rows[0]["peer_decoding"])
+
+    assert decoding() == 0
+    body = {"model": "fake-model", "prompt": group_prompt(0, 0), "max_tokens": 40, "stream": True}
+    with httpx.stream("POST", r1.url + "/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        chunks = r.iter_bytes()
+        next(chunks)  # the first byte: decoding from now on
+        assert wait_until(lambda: decoding() == 1, timeout_s=5), decoding()
+        for _ in chunks:
+            pass
+    assert wait_until(lambda: decoding() == 0, timeout_s=5), decoding()
+
+
 def test_worker_added_on_one_router_is_used_by_the_others(
     tmp_path: Path, processes: list[Server], redis_server: RedisServer, routers: Routers
 ) -> None:

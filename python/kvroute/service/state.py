@@ -150,6 +150,9 @@ class RouterState:
             # their uncached prompt tokens (what the work model predicts on).
             "peer_prefill_requests": shared.pending.get(url, 0) if shared else None,
             "peer_prefill_tokens": shared.tokens.get(url, 0) if shared else None,
+            # Their decoding requests there whose expected end they published (a full
+            # worker's slot frees at those ends).
+            "peer_decoding": len(shared.ends.get(url, ())) if shared else None,
         }
 
     def worker_capacity(self, url: str) -> int | None:
