@@ -182,6 +182,7 @@ async def requests(
     reading task idle: publishing alone), ``before`` (``--before-store``)."""
     ps = prompts(n, tokens)
     model = LoadModel()
+    model.clock = time.monotonic  # as serve's: requests' ends are timed on it
     for w in WORKERS:
         model.add_worker(w)
     index: DigestIndex | PrefixIndex = PrefixIndex(None) if mode == "token" else DigestIndex(None)
@@ -210,13 +211,13 @@ async def requests(
             p, w = ps[i], WORKERS[i % 8]
             index.longest_match(p)
             index.insert(w, p)
-            tickets.append(model.reserve(w, len(p), 100, 0.0))
+            tickets.append(model.reserve(w, len(p), 100, time.monotonic()))
         await idle()
         for t in tickets:
-            t.first_byte(0.1)
+            t.first_byte(time.monotonic())  # decoding: its expected end is published
         await idle()
         for t in tickets:
-            t.end(0.2)
+            t.end(time.monotonic())
         await idle()
     spent = time.process_time_ns() - t0
     kernel = resource.getrusage(resource.RUSAGE_SELF).ru_stime - sys0

@@ -58,7 +58,7 @@ from kvroute.config import Settings
 from kvroute.fleet.budget import IndexBudget
 from kvroute.fleet.engine_load import CapacityLearner
 from kvroute.fleet.shared import DigestIndex
-from kvroute.routing.load import ENDS_SHARED, LoadModel, Ticket
+from kvroute.routing.load import LoadModel, Ticket
 from kvroute.routing.policies.base import Decision, Policy, RouteRequest
 from kvroute.sim.cache import PrefixCache
 
@@ -136,10 +136,9 @@ class RouterTier:
         # Published decisions in flight to the store: (visible at, publisher, worker, digests).
         self._wire: deque[tuple[float, int, str, bytes]] = deque()
         # Published load, whenever it changes: (visible at, publisher, worker, (its
-        # requests in flight there, those waiting for a first byte, their uncached tokens)).
-        self._work_wire: deque[tuple[float, int, str, tuple[int, int, int], tuple[float, ...]]] = (
-            deque()
-        )
+        # requests in flight there, those waiting for a first byte, their uncached
+        # tokens), when its decoding ones there end, in seconds from the change).
+        self._work_wire: deque[tuple[float, int, str, tuple[int, int, int], list[float]]] = deque()
         self._now = 0.0
         self._in_bytes = index_in_bytes
         # Per replica, its index budgets (serve's IndexBudget) and index, when budgeted by
@@ -248,8 +247,7 @@ class RouterTier:
             load = (st.requests, len(st.pending), st.prefill_tokens)
             # As serve publishes them: seconds from now, read at delivery on the
             # receiver's clock (so they arrive the store's delay late, as there).
-            now = self._now
-            ends = tuple(e[0] - now for e in st.ends[:ENDS_SHARED])
+            ends = self.work[k].decoding_ends(worker, self._now)
             self._work_wire.append((at, k, worker, load, ends))
 
         return publish

@@ -84,12 +84,12 @@ def unpack(blob: bytes) -> Iterator[tuple[str, int, int, int]]:
 
 def pack_ends(values: Iterable[tuple[str, Sequence[float]]]) -> bytes:
     """Per worker URL, its ends in seconds from now (at most ``ENDS_SHARED`` kept)."""
-    parts: list[bytes] = []
-    for url, ends in values:
-        raw = encoded(url)
-        k = min(len(ends), ENDS_SHARED)
-        parts += (_ENDS.pack(len(raw), k), raw, struct.pack(f"<{k}f", *ends[:k]))
-    return b"".join(parts)
+    return b"".join(_ends_record(encoded(url), ends) for url, ends in values)
+
+
+def _ends_record(raw: bytes, ends: Sequence[float]) -> bytes:
+    k = min(len(ends), ENDS_SHARED)
+    return b"".join((_ENDS.pack(len(raw), k), raw, struct.pack(f"<{k}f", *ends[:k])))
 
 
 def unpack_ends(blob: bytes) -> Iterator[tuple[str, list[float]]]:
@@ -178,13 +178,11 @@ class SharedLoad:
                     rec = _REC.pack(len(raw), _clamp(flight), _clamp(n), _clamp(tokens))
                 parts += (rec, raw)
                 if st.ends and now is not None:
-                    k = min(len(st.ends), ENDS_SHARED)
-                    times = [e[0] - now for e in st.ends[:k]]
-                    ends += (_ENDS.pack(len(raw), k), raw, struct.pack(f"<{k}f", *times))
+                    ends.append(_ends_record(raw, self.model.decoding_ends(url, now)))
                     sent.add(url)
                     continue
             if url in sent:  # none now: the others drop what they keep
-                ends += (_ENDS.pack(len(raw), 0), raw)
+                ends.append(_ends_record(raw, ()))
                 sent.discard(url)
         self._dirty.clear()
         return b"".join(parts), b"".join(ends)

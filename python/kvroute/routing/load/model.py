@@ -764,6 +764,15 @@ class LoadModel:
             slots[w] = slot
         return Predictions(ttft, own, stretch, price, slots)
 
+    def decoding_ends(self, worker: str, now: float) -> list[float]:
+        """When our decoding requests on ``worker`` are expected to end, in seconds
+        from ``now``, the soonest ``ENDS_SHARED``: what the store shares with the other
+        routers (their ``peer_ends``)."""
+        st = self.workers.get(worker)
+        if st is None:
+            return []
+        return [e[0] - now for e in st.ends[:ENDS_SHARED]]
+
     def queued_per_worker(self, workers: Iterable[str]) -> float:
         """Mean number of requests waiting for their first byte per worker of ``workers``
         (a proxy for how many requests will queue behind new work): ours, and the
