@@ -42,8 +42,10 @@ router's last list per worker and their merge (``ends``: the load model's
 
 from __future__ import annotations
 
+import array
 import math
 import struct
+import sys
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from heapq import merge
 
@@ -53,6 +55,7 @@ from kvroute.routing.load import ENDS_SHARED, LoadModel
 _REC = struct.Struct("<HIII")  # URL length, in flight, waiting for a first byte, tokens
 _MAX = 0xFFFFFFFF
 _ENDS = struct.Struct("<HH")  # URL length, ends (each a little-endian float32) that follow
+_BIG_ENDIAN = sys.byteorder == "big"
 
 
 def pack(values: list[tuple[str, int, int, int]]) -> bytes:
@@ -88,8 +91,12 @@ def pack_ends(values: Iterable[tuple[str, Sequence[float]]]) -> bytes:
 
 
 def _ends_record(raw: bytes, ends: Sequence[float]) -> bytes:
-    k = min(len(ends), ENDS_SHARED)
-    return b"".join((_ENDS.pack(len(raw), k), raw, struct.pack(f"<{k}f", *ends[:k])))
+    if len(ends) > ENDS_SHARED:
+        ends = ends[:ENDS_SHARED]
+    times = array.array("f", ends)
+    if _BIG_ENDIAN:
+        times.byteswap()
+    return _ENDS.pack(len(raw), len(times)) + raw + times.tobytes()
 
 
 def unpack_ends(blob: bytes) -> Iterator[tuple[str, list[float]]]:
@@ -177,8 +184,9 @@ class SharedLoad:
                     flight, n, tokens = st.requests, len(st.pending), st.prefill_tokens
                     rec = _REC.pack(len(raw), _clamp(flight), _clamp(n), _clamp(tokens))
                 parts += (rec, raw)
-                if st.ends and now is not None:
-                    ends.append(_ends_record(raw, self.model.decoding_ends(url, now)))
+                times = self.model.decoding_ends(url, now) if now is not None else None
+                if times:
+                    ends.append(_ends_record(raw, times))
                     sent.add(url)
                     continue
             if url in sent:  # none now: the others drop what they keep

@@ -769,7 +769,7 @@ class LoadModel:
         from ``now``, the soonest ``ENDS_SHARED``: what the store shares with the other
         routers (their ``peer_ends``)."""
         st = self.workers.get(worker)
-        if st is None:
+        if st is None or not st.ends:
             return []
         return [e[0] - now for e in st.ends[:ENDS_SHARED]]
 
