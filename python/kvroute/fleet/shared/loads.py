@@ -49,7 +49,7 @@ import sys
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from heapq import merge
 
-from kvroute.fleet.shared.wire import encoded
+from kvroute.fleet.shared.wire import encoded, records
 from kvroute.routing.load import ENDS_SHARED, LoadModel
 
 _REC = struct.Struct("<HIII")  # URL length, in flight, waiting for a first byte, tokens
@@ -72,17 +72,8 @@ def _clamp(v: int) -> int:
 
 def unpack(blob: bytes) -> Iterator[tuple[str, int, int, int]]:
     """The records of ``pack``; raises ValueError on a truncated blob."""
-    view = memoryview(blob)
-    at, end = 0, len(blob)
-    while at < end:
-        if at + _REC.size > end:
-            raise ValueError("truncated load record")
-        n_url, flight, n, tokens = _REC.unpack_from(view, at)
-        at += _REC.size
-        if at + n_url > end:
-            raise ValueError("truncated load record")
-        yield bytes(view[at : at + n_url]).decode(errors="replace"), flight, n, tokens
-        at += n_url
+    for (_, flight, n, tokens), url, _ in records(blob, _REC, lambda f: 0, "load record"):
+        yield bytes(url).decode(errors="replace"), flight, n, tokens
 
 
 def pack_ends(values: Iterable[tuple[str, Sequence[float]]]) -> bytes:
@@ -102,20 +93,15 @@ def _ends_record(raw: bytes, ends: Sequence[float]) -> bytes:
 def unpack_ends(blob: bytes) -> Iterator[tuple[str, list[float]]]:
     """The records of ``pack_ends`` (at most ``ENDS_SHARED`` ends each, finite ones
     only, sorted); raises ValueError on a truncated blob."""
-    view = memoryview(blob)
-    at, end = 0, len(blob)
-    while at < end:
-        if at + _ENDS.size > end:
-            raise ValueError("truncated ends record")
-        n_url, k = _ENDS.unpack_from(view, at)
-        at += _ENDS.size
-        if at + n_url + 4 * k > end:
-            raise ValueError("truncated ends record")
-        url = bytes(view[at : at + n_url]).decode(errors="replace")
-        at += n_url
-        got = struct.unpack_from(f"<{k}f", view, at)
-        at += 4 * k
-        yield url, sorted(e for e in got[:ENDS_SHARED] if math.isfinite(e))
+    for _, url, body in records(blob, _ENDS, lambda f: 4 * f[1], "ends record"):
+        times = array.array("f")
+        times.frombytes(body)
+        if _BIG_ENDIAN:
+            times.byteswap()
+        yield (
+            bytes(url).decode(errors="replace"),
+            sorted(e for e in times[:ENDS_SHARED] if math.isfinite(e)),
+        )
 
 
 class SharedLoad:

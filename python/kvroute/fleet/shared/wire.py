@@ -41,7 +41,7 @@ from __future__ import annotations
 import functools
 import struct
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from kvroute.config import StoreURL
 
@@ -91,20 +91,33 @@ def encoded(url: str) -> bytes:
     return url.encode()
 
 
-def unpack_inserts(blob: bytes) -> Iterator[tuple[bytes, bytes]]:
-    """The (worker URL, digests) pairs of ``pack_inserts``; raises ValueError when the
-    blob is cut short or a digest run is not whole u64s."""
+def records(
+    blob: bytes, head: struct.Struct, body: Callable[[tuple[int, ...]], int], what: str
+) -> Iterator[tuple[tuple[int, ...], memoryview, memoryview]]:
+    """The records of a packed blob, each a ``head`` whose first field is the length of
+    the worker URL that follows, then ``body(fields)`` bytes: yields (the head's fields,
+    the URL, the body); raises ValueError ("truncated <what>") on a record cut short."""
     view = memoryview(blob)
     at, end = 0, len(blob)
     while at < end:
-        if at + _HEAD.size > end:
-            raise ValueError("truncated decision header")
-        n_url, n_dig = _HEAD.unpack_from(view, at)
-        at += _HEAD.size
-        if at + n_url + n_dig > end or n_dig % 8:
-            raise ValueError("truncated or misaligned decision")
-        yield bytes(view[at : at + n_url]), bytes(view[at + n_url : at + n_url + n_dig])
-        at += n_url + n_dig
+        if at + head.size > end:
+            raise ValueError(f"truncated {what}")
+        fields = head.unpack_from(view, at)
+        at += head.size
+        n_url, n_body = fields[0], body(fields)
+        if at + n_url + n_body > end:
+            raise ValueError(f"truncated {what}")
+        yield fields, view[at : at + n_url], view[at + n_url : at + n_url + n_body]
+        at += n_url + n_body
+
+
+def unpack_inserts(blob: bytes) -> Iterator[tuple[bytes, bytes]]:
+    """The (worker URL, digests) pairs of ``pack_inserts``; raises ValueError when the
+    blob is cut short or a digest run is not whole u64s."""
+    for (_, n_dig), url, digests in records(blob, _HEAD, lambda f: f[1], "decision"):
+        if n_dig % 8:
+            raise ValueError("misaligned decision")
+        yield bytes(url), bytes(digests)
 
 
 def insert_entry(
