@@ -12,10 +12,11 @@ router knows alone:
   ID leaves the router.
 * **Load** (``loads``, ``store.StateStore.peer_load``): each router publishes its
   load per worker on the stream whenever it changes (requests in flight, those waiting
-  for a first byte, their uncached tokens) and adds the others' to its own: the
-  registry's counts (``Registry.peer_load``: balance decisions, saturation guard) and
-  the work model's queue (``LoadModel.peer``, ``peer_pending``, ``peer_prefill``), so
-  each router balances and predicts on the fleet's load. Heartbeats (a hash with a TTL
+  for a first byte, their uncached tokens, when its decoding ones should end) and adds
+  the others' to its own: the registry's counts (``Registry.peer_load``: balance
+  decisions, saturation guard) and the work model's queue and slots (``LoadModel.peer``,
+  ``peer_pending``, ``peer_prefill``, ``peer_ends``), so each router balances and
+  predicts on the fleet's load. Heartbeats (a hash with a TTL
   per router) expire a crashed router's load.
 * **Membership**: workers added or removed through the admin API are written to a
   shared hash and announced on the stream; every router applies them. Routers announce
