@@ -54,6 +54,52 @@ def test_parse_engine_load() -> None:
     assert parse_engine_load(b"\xff\xfe garbage") is None
 
 
+def test_a_request_that_ends_while_its_engine_is_read_is_not_counted_as_someone_else_s() -> None:
+    """An engine counts its requests at one moment of a /metrics read. A request of
+    ours in flight when the read starts and over when the answer is parsed (an edge read
+    starts as a request is routed) may be in that count: it is not the engine's own
+    load, which would stay as phantom load until the next reading."""
+    from types import SimpleNamespace
+
+    from kvroute.fleet.health import poll_engine_load
+    from kvroute.routing.load import LoadModel
+
+    url = "http://127.0.0.1:1"
+    worker = SimpleNamespace(in_flight=1)
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        worker.in_flight = 0  # our request ends while the engine answers
+        return httpx.Response(
+            200, text="vllm:num_requests_running 1\nvllm:num_requests_waiting 0\n"
+        )
+
+    async def read(others_running: int) -> int:
+        worker.in_flight = 1
+        state = SimpleNamespace(
+            settings=Settings(worker_urls=[url]).validate(),
+            registry=SimpleNamespace(workers={url: worker}, peer_load={}),
+            client=httpx.AsyncClient(transport=httpx.MockTransport(answer)),
+            capacity=None,
+            others={},
+            work=LoadModel(),
+        )
+        if others_running:
+            state.client = httpx.AsyncClient(
+                transport=httpx.MockTransport(
+                    lambda r: httpx.Response(
+                        200, text=f"vllm:num_requests_running {1 + others_running}\n"
+                    )
+                )
+            )
+        async with state.client:
+            await poll_engine_load(state, url)  # type: ignore[arg-type]
+        return int(state.others[url])
+
+    assert asyncio.run(read(0)) == 0
+    # Requests that are really someone else's still count.
+    assert asyncio.run(read(2)) == 2
+
+
 def test_parse_sglang_capacity() -> None:
     assert parse_sglang_capacity(SGLANG_SERVER_INFO) == 128
     two_ranks = (

@@ -87,6 +87,7 @@ async def read_reported_capacity(state: Checked, url: str) -> None:
 async def poll_engine_load(state: Checked, url: str) -> None:
     """Read ``url``'s running/waiting counts from its /metrics: the learner's capacity
     and the load its engine holds beyond this router's requests."""
+    before = _routed(state, url)
     body = await read_body(state, url, "/metrics")
     if body is None:
         return
@@ -95,12 +96,23 @@ async def poll_engine_load(state: Checked, url: str) -> None:
         return
     if state.capacity is not None:
         state.capacity.observe(url, *load)
-    worker = state.registry.workers.get(url)
-    if worker is not None:
-        # Other routers' requests sharing their load are in the loads already.
-        routed = worker.in_flight + state.registry.peer_load.get(url, 0)
+    if url in state.registry.workers:
+        # The engine counted at some moment of the read: a request of ours that ended
+        # meanwhile may be in its count (an edge read starts as a request is routed,
+        # and a short one is often over before the answer is parsed). Counted as the
+        # engine's own, it stayed as phantom load until the next reading.
+        routed = max(before, _routed(state, url))
         state.others[url] = others_load(*load, routed)
         state.work.observe_engine(url, *load, parse_kv_usage(body))
+
+
+def _routed(state: Checked, url: str) -> int:
+    """Requests on ``url`` this router knows of: its own in flight, and the other
+    routers' when they share their load (in the loads already)."""
+    worker = state.registry.workers.get(url)
+    if worker is None:
+        return 0
+    return worker.in_flight + state.registry.peer_load.get(url, 0)
 
 
 # At most one edge read per worker this often (seconds): a worker at its high-water
