@@ -182,23 +182,14 @@ class Commands:
     def load(self, load: bytes, ends: bytes = b"") -> bytes:
         """An entry carrying load records only (kind ``p``), with their ends if any."""
         t = b"%d" % now_ms()
-        if ends:
-            return b"%s$%d\r\n%s\r\n$1\r\np\r\n$%d\r\n%s\r\n$1\r\ne\r\n$%d\r\n%s\r\n" % (
-                self._load_ends,
-                len(t),
-                t,
-                len(load),
-                load,
-                len(ends),
-                ends,
-            )
-        return b"%s$%d\r\n%s\r\n$1\r\np\r\n$%d\r\n%s\r\n" % (
-            self._load,
+        entry = b"%s$%d\r\n%s\r\n$1\r\np\r\n$%d\r\n%s\r\n" % (
+            self._load_ends if ends else self._load,
             len(t),
             t,
             len(load),
             load,
         )
+        return entry + _ends_field(ends) if ends else entry
 
     def inserts(self, blob: bytes, load: bytes = b"", ends: bytes = b"") -> bytes:
         """An entry of packed decisions (``pack_inserts``), with load records and their
@@ -212,24 +203,8 @@ class Commands:
                 len(blob),
                 blob,
             )
-        if ends:
-            return (
-                b"%s$%d\r\n%s\r\n$1\r\nb\r\n$%d\r\n%s\r\n$1\r\np\r\n$%d\r\n%s\r\n"
-                b"$1\r\ne\r\n$%d\r\n%s\r\n"
-                % (
-                    self._insert_load_ends,
-                    len(t),
-                    t,
-                    len(blob),
-                    blob,
-                    len(load),
-                    load,
-                    len(ends),
-                    ends,
-                )
-            )
-        return b"%s$%d\r\n%s\r\n$1\r\nb\r\n$%d\r\n%s\r\n$1\r\np\r\n$%d\r\n%s\r\n" % (
-            self._insert_load,
+        entry = b"%s$%d\r\n%s\r\n$1\r\nb\r\n$%d\r\n%s\r\n$1\r\np\r\n$%d\r\n%s\r\n" % (
+            self._insert_load_ends if ends else self._insert_load,
             len(t),
             t,
             len(blob),
@@ -237,6 +212,12 @@ class Commands:
             len(load),
             load,
         )
+        return entry + _ends_field(ends) if ends else entry
+
+
+def _ends_field(ends: bytes) -> bytes:
+    """Field ``e`` and its value, the last of an entry (its head counts it)."""
+    return b"$1\r\ne\r\n$%d\r\n%s\r\n" % (len(ends), ends)
 
 
 def hello_entry(router: bytes) -> dict[bytes, bytes]:
