@@ -19,7 +19,8 @@ _Tokens: TypeAlias = Iterable[int] | Buffer | TokenIds
 """Token IDs: a list/tuple/iterable of ints in [0, 2**32), or a 1-D buffer of uint32
 (``array.array('I')``, ``numpy.ndarray`` of ``uint32``) which crosses without per-element
 conversion; ``bytes``/``bytearray`` are one token per byte (widened in one native pass);
-a ``TokenIds`` from ``lookup`` is read as it is."""
+a ``TokenIds`` from ``lookup`` is read as it is. A byte-token index
+(``PrefixIndex(byte_tokens=True)``) takes the same, refusing IDs above 255."""
 
 @final
 class PrefixIndex:
@@ -31,18 +32,29 @@ class PrefixIndex:
     the index unchanged.
     """
 
-    def __new__(cls, max_tokens_per_worker: int | None = None) -> PrefixIndex:
+    def __new__(
+        cls, max_tokens_per_worker: int | None = None, *, byte_tokens: bool = False
+    ) -> PrefixIndex:
         """Create an empty index.
 
         ``max_tokens_per_worker``: budget of cached tokens per worker (mirroring the
         engine's KV capacity); inserts past it evict that worker's least recently used
         tokens at once. None means unbounded. Raises ValueError if negative, TypeError
         if not an int.
+
+        ``byte_tokens``: the tokens are bytes (IDs 0-255), stored one byte each: the
+        no-tokenizer mode's UTF-8 prompts, with the same answers as an index of their
+        bytes as u32 IDs in a quarter of the memory. Its methods refuse IDs above 255
+        (ValueError).
         """
 
     @property
     def max_tokens_per_worker(self) -> int | None:
         """The per-worker budget, or None when unbounded."""
+
+    @property
+    def byte_tokens(self) -> bool:
+        """Whether the tokens are bytes, stored one byte each."""
 
     def insert(self, worker: str, tokens: _Tokens) -> int:
         """Record that ``worker`` now holds ``tokens`` (and every prefix of it).
@@ -164,11 +176,6 @@ class BlockIndex:
 
     def distinct_blocks(self) -> int:
         """Distinct blocks over the whole fleet."""
-
-def utf8_token_ids(text: str) -> array.array[int]:
-    """One token ID per byte of ``text`` encoded in UTF-8 (lone surrogates as
-    ``surrogatepass`` encodes them): the no-tokenizer mode's prompt, as an
-    ``array.array('I')``, built in one native pass."""
 
 def block_digest_keys(tokens: _Tokens) -> array.array[int]:
     """The state store's tree keys for ``tokens``: two u32 per whole block of 16 tokens
@@ -292,5 +299,4 @@ __all__ = [
     "UnknownParentError",
     "block_digest_keys",
     "bpe_char_classes",
-    "utf8_token_ids",
 ]

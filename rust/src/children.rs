@@ -1,28 +1,30 @@
-//! Child tables of radix-tree nodes, keyed by the first token of the child's edge.
+//! Child tables of radix-tree nodes, keyed by the first token of the child's edge
+//! (a `u32` token ID, or a byte in the byte-keyed index).
 //!
 //! Most nodes have a handful of children, where a short vector scanned linearly beats a
 //! hash map in both speed and memory; a node under a popular prefix (a shared system
 //! prompt) can have thousands, so past `SMALL_MAX` the table becomes a hash map.
 
 use rustc_hash::FxHashMap;
+use std::hash::Hash;
 
 const SMALL_MAX: usize = 8;
 
 #[derive(Debug)]
-pub enum Children {
-    Small(Vec<(u32, u32)>),
-    Map(FxHashMap<u32, u32>),
+pub enum Children<T = u32> {
+    Small(Vec<(T, u32)>),
+    Map(FxHashMap<T, u32>),
 }
 
-impl Default for Children {
+impl<T> Default for Children<T> {
     fn default() -> Self {
         Children::Small(Vec::new())
     }
 }
 
-impl Children {
+impl<T: Copy + Eq + Hash> Children<T> {
     #[inline]
-    pub fn get(&self, token: u32) -> Option<u32> {
+    pub fn get(&self, token: T) -> Option<u32> {
         match self {
             Children::Small(v) => v.iter().find(|(t, _)| *t == token).map(|&(_, n)| n),
             Children::Map(m) => m.get(&token).copied(),
@@ -30,7 +32,7 @@ impl Children {
     }
 
     /// Insert or replace the child for `token`.
-    pub fn set(&mut self, token: u32, node: u32) {
+    pub fn set(&mut self, token: T, node: u32) {
         match self {
             Children::Small(v) => {
                 if let Some(slot) = v.iter_mut().find(|(t, _)| *t == token) {
@@ -38,7 +40,7 @@ impl Children {
                 } else if v.len() < SMALL_MAX {
                     v.push((token, node));
                 } else {
-                    let mut m: FxHashMap<u32, u32> = v.drain(..).collect();
+                    let mut m: FxHashMap<T, u32> = v.drain(..).collect();
                     m.insert(token, node);
                     *self = Children::Map(m);
                 }
@@ -49,7 +51,7 @@ impl Children {
         }
     }
 
-    pub fn remove(&mut self, token: u32) {
+    pub fn remove(&mut self, token: T) {
         match self {
             Children::Small(v) => {
                 if let Some(i) = v.iter().position(|(t, _)| *t == token) {
@@ -83,9 +85,9 @@ impl Children {
     /// Heap bytes owned by the table (for memory accounting).
     pub fn heap_bytes(&self) -> usize {
         match self {
-            Children::Small(v) => v.capacity() * std::mem::size_of::<(u32, u32)>(),
+            Children::Small(v) => v.capacity() * std::mem::size_of::<(T, u32)>(),
             // hashbrown: one control byte per bucket plus the entries.
-            Children::Map(m) => m.capacity() * (std::mem::size_of::<(u32, u32)>() + 1),
+            Children::Map(m) => m.capacity() * (std::mem::size_of::<(T, u32)>() + 1),
         }
     }
 }
@@ -96,7 +98,7 @@ mod tests {
 
     #[test]
     fn grows_into_map_and_back() {
-        let mut c = Children::default();
+        let mut c: Children = Children::default();
         for t in 0..20u32 {
             c.set(t, t + 100);
         }

@@ -13,7 +13,7 @@ pub mod tree;
 mod python;
 
 pub use blocks::{BlockIndex, EventError};
-pub use tree::{IndexStats, Lookup, PrefixIndex, Walk};
+pub use tree::{ByteIndex, IndexStats, Lookup, PrefixIndex, Symbol, Tree, Walk};
 
 // Exact byte-level BPE (tokenization for routing); kept apart from the index modules.
 pub mod bpe;

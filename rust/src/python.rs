@@ -4,11 +4,12 @@
 //! `uint32` array): one memcpy, no per-element conversion. Any other iterable of ints is
 //! converted element by element with a range check, except `bytes` and `bytearray`: one
 //! token per byte (the no-tokenizer mode's UTF-8 prompt), widened here in one pass.
-//! Conversion happens before the index is touched, so a bad argument never leaves the
-//! index half-changed.
+//! A byte-token index (`PrefixIndex(byte_tokens=True)`) takes the same containers and
+//! narrows them, refusing IDs above 255. Conversion happens before the index is touched,
+//! so a bad argument never leaves the index half-changed.
 
 use crate::blocks::{BlockIndex, EventError};
-use crate::tree::{PrefixIndex, Walk};
+use crate::tree::{ByteIndex, PrefixIndex, Symbol, Tree, Walk};
 use parking_lot::{Mutex, RwLock};
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -17,16 +18,16 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyString, PyTuple};
 use std::sync::Arc;
 
-/// Token IDs as the index reads them: converted from a Python container, or shared
+/// Token IDs as an index reads them: converted from a Python container, or shared
 /// with a `TokenIds` handle (converted by an earlier call, never copied again).
-enum Tokens {
-    Owned(Vec<u32>),
-    Shared(Arc<Vec<u32>>),
+enum Tokens<T = u32> {
+    Owned(Vec<T>),
+    Shared(Arc<Vec<T>>),
 }
 
-impl std::ops::Deref for Tokens {
-    type Target = [u32];
-    fn deref(&self) -> &[u32] {
+impl<T> std::ops::Deref for Tokens<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
         match self {
             Tokens::Owned(v) => v,
             Tokens::Shared(v) => v,
@@ -34,14 +35,20 @@ impl std::ops::Deref for Tokens {
     }
 }
 
-impl Tokens {
+impl<T> Tokens<T> {
     /// Shareable without a copy (the Vec moves behind the Arc).
-    fn into_shared(self) -> Arc<Vec<u32>> {
+    fn into_shared(self) -> Arc<Vec<T>> {
         match self {
             Tokens::Owned(v) => Arc::new(v),
             Tokens::Shared(v) => v,
         }
     }
+}
+
+/// A `TokenIds` handle's tokens, as the index that made it stores them.
+enum Ids {
+    Wide(Arc<Vec<u32>>),
+    Bytes(Arc<Vec<u8>>),
 }
 
 /// A prompt's token IDs as `PrefixIndex.lookup` converted them, handed back so that the
@@ -50,29 +57,111 @@ impl Tokens {
 /// the nodes they matched whole. Immutable.
 #[pyclass(name = "TokenIds", module = "kvroute._native", frozen)]
 pub struct PyTokenIds {
-    ids: Arc<Vec<u32>>,
+    ids: Ids,
     /// The lookup's walk: an insert of these tokens into the same, unchanged index
     /// resumes below it (`PrefixIndex::insert_after`).
     walk: Walk,
 }
 
+impl PyTokenIds {
+    fn len(&self) -> usize {
+        match &self.ids {
+            Ids::Wide(v) => v.len(),
+            Ids::Bytes(v) => v.len(),
+        }
+    }
+}
+
 #[pymethods]
 impl PyTokenIds {
     fn __len__(&self) -> usize {
-        self.ids.len()
+        self.len()
     }
 
     fn __repr__(&self) -> String {
-        format!("TokenIds(<{} tokens>)", self.ids.len())
+        format!("TokenIds(<{} tokens>)", self.len())
     }
+}
+
+/// A token type the binding converts Python containers into.
+trait PySymbol: Symbol {
+    /// `obj`'s tokens (shared with a `TokenIds` handle of the same type).
+    fn extract(obj: &Bound<'_, PyAny>) -> PyResult<Tokens<Self>>;
+    /// A handle's tokens, when stored as `Self` (shared, no copy).
+    fn shared(ids: &Ids) -> Option<Arc<Vec<Self>>>;
+    fn wrap(ids: Arc<Vec<Self>>) -> Ids;
+}
+
+impl PySymbol for u32 {
+    fn extract(obj: &Bound<'_, PyAny>) -> PyResult<Tokens<u32>> {
+        if let Ok(t) = obj.downcast::<PyTokenIds>() {
+            return Ok(match &t.get().ids {
+                Ids::Wide(v) => Tokens::Shared(Arc::clone(v)),
+                Ids::Bytes(v) => Tokens::Owned(v.iter().map(|&b| u32::from(b)).collect()),
+            });
+        }
+        extract_owned(obj).map(Tokens::Owned)
+    }
+
+    fn shared(ids: &Ids) -> Option<Arc<Vec<u32>>> {
+        match ids {
+            Ids::Wide(v) => Some(Arc::clone(v)),
+            Ids::Bytes(_) => None,
+        }
+    }
+
+    fn wrap(ids: Arc<Vec<u32>>) -> Ids {
+        Ids::Wide(ids)
+    }
+}
+
+impl PySymbol for u8 {
+    fn extract(obj: &Bound<'_, PyAny>) -> PyResult<Tokens<u8>> {
+        if let Ok(t) = obj.downcast::<PyTokenIds>() {
+            return match &t.get().ids {
+                Ids::Bytes(v) => Ok(Tokens::Shared(Arc::clone(v))),
+                Ids::Wide(v) => narrow(v).map(Tokens::Owned),
+            };
+        }
+        if let Ok(b) = obj.downcast::<PyBytes>() {
+            return Ok(Tokens::Owned(b.as_bytes().to_vec()));
+        }
+        if let Ok(b) = obj.downcast::<PyByteArray>() {
+            return Ok(Tokens::Owned(b.to_vec()));
+        }
+        narrow(&extract_owned(obj)?).map(Tokens::Owned)
+    }
+
+    fn shared(ids: &Ids) -> Option<Arc<Vec<u8>>> {
+        match ids {
+            Ids::Bytes(v) => Some(Arc::clone(v)),
+            Ids::Wide(_) => None,
+        }
+    }
+
+    fn wrap(ids: Arc<Vec<u8>>) -> Ids {
+        Ids::Bytes(ids)
+    }
+}
+
+fn byte_error(i: usize, v: u32) -> PyErr {
+    PyValueError::new_err(format!(
+        "token ID at position {i} is {v}, outside [0, 255] (a byte-token index)"
+    ))
+}
+
+/// `ids` as bytes (two passes over them, each compiled to vector instructions).
+fn narrow(ids: &[u32]) -> PyResult<Vec<u8>> {
+    if ids.iter().fold(0, |a, &v| a | v) > 255 {
+        let i = ids.iter().position(|&v| v > 255).unwrap_or(0);
+        return Err(byte_error(i, ids[i]));
+    }
+    Ok(ids.iter().map(|&v| v as u8).collect())
 }
 
 /// Convert a Python token container into u32s.
 fn extract_tokens(obj: &Bound<'_, PyAny>) -> PyResult<Tokens> {
-    if let Ok(t) = obj.downcast::<PyTokenIds>() {
-        return Ok(Tokens::Shared(Arc::clone(&t.get().ids)));
-    }
-    extract_owned(obj).map(Tokens::Owned)
+    u32::extract(obj)
 }
 
 fn extract_owned(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
@@ -150,11 +239,27 @@ fn token_at(item: &Bound<'_, PyAny>, i: usize) -> PyResult<u32> {
 /// Prefix index over token IDs shared by a fleet of workers (see kvroute/_native.pyi).
 #[pyclass(name = "PrefixIndex", module = "kvroute._native", frozen)]
 pub struct PyPrefixIndex {
-    inner: RwLock<PrefixIndex>,
+    inner: Inner,
     /// Python str objects for worker ids, so answers do not build a new str per worker
     /// per call. An entry is valid while its `Arc` is the index's current name handle
     /// for that id (ids are recycled after `remove_worker`).
     names: Mutex<Vec<Option<NameEntry>>>,
+}
+
+/// The tree, over u32 token IDs or over bytes (`byte_tokens`).
+enum Inner {
+    Wide(RwLock<PrefixIndex>),
+    Bytes(RwLock<ByteIndex>),
+}
+
+/// `$body` with `$t` bound to the index's tree, whichever its token type.
+macro_rules! with_tree {
+    ($self:expr, $t:ident => $body:expr) => {
+        match &$self.inner {
+            Inner::Wide($t) => $body,
+            Inner::Bytes($t) => $body,
+        }
+    };
 }
 
 type NameEntry = (Arc<str>, Py<PyString>);
@@ -162,6 +267,76 @@ type NameEntry = (Arc<str>, Py<PyString>);
 type Named = Vec<(u32, Arc<str>, u32)>;
 /// `lookup`'s answer: per-worker matches, longest match, its holders, the tokens.
 type LookupAnswer<'py> = (Bound<'py, PyDict>, u32, Vec<Py<PyString>>, Py<PyTokenIds>);
+
+/// `obj`'s tokens as `tree` stores them.
+fn tokens_for<T: PySymbol>(_tree: &RwLock<Tree<T>>, obj: &Bound<'_, PyAny>) -> PyResult<Tokens<T>> {
+    T::extract(obj)
+}
+
+fn insert_in<T: PySymbol>(
+    tree: &RwLock<Tree<T>>,
+    py: Python<'_>,
+    worker: &str,
+    tokens: &Bound<'_, PyAny>,
+) -> PyResult<u64> {
+    if let Ok(t) = tokens.downcast::<PyTokenIds>() {
+        let t = t.get();
+        if let Some(ids) = T::shared(&t.ids) {
+            let walk = &t.walk;
+            return Ok(py.detach(|| tree.write().insert_after(worker, &ids, walk).held_before));
+        }
+    }
+    let tokens = T::extract(tokens)?;
+    Ok(py.detach(|| tree.write().insert(worker, &tokens).held_before))
+}
+
+fn match_in<T: PySymbol>(tree: &RwLock<Tree<T>>, py: Python<'_>, tokens: &[T]) -> Named {
+    py.detach(|| {
+        let g = tree.read();
+        g.match_all_ids(tokens)
+            .into_iter()
+            .map(|(id, len)| (id, g.name_handle(id), len))
+            .collect()
+    })
+}
+
+fn lookup_in<T: PySymbol>(
+    tree: &RwLock<Tree<T>>,
+    py: Python<'_>,
+    tokens: &Bound<'_, PyAny>,
+) -> PyResult<(Named, u32, usize, PyTokenIds)> {
+    let tokens = T::extract(tokens)?.into_shared();
+    let (out, longest, holders, walk) = py.detach(|| {
+        let g = tree.read();
+        let found = g.lookup_ids(&tokens);
+        let out: Named = found
+            .matches
+            .into_iter()
+            .map(|(id, len)| (id, g.name_handle(id), len))
+            .collect();
+        (out, found.longest, found.holders, found.walk)
+    });
+    let ids = PyTokenIds {
+        ids: T::wrap(tokens),
+        walk,
+    };
+    Ok((out, longest, holders, ids))
+}
+
+fn longest_in<T: PySymbol>(
+    tree: &RwLock<Tree<T>>,
+    py: Python<'_>,
+    tokens: &[T],
+) -> (u32, Vec<(u32, Arc<str>)>) {
+    py.detach(|| {
+        let g = tree.read();
+        let (len, ids) = g.longest_match_ids(tokens);
+        (
+            len,
+            ids.into_iter().map(|id| (id, g.name_handle(id))).collect(),
+        )
+    })
+}
 
 impl PyPrefixIndex {
     fn py_name(&self, py: Python<'_>, id: u32, handle: &Arc<str>) -> Py<PyString> {
@@ -178,6 +353,14 @@ impl PyPrefixIndex {
         let s = PyString::new(py, handle).unbind();
         names[i] = Some((Arc::clone(handle), s.clone_ref(py)));
         s
+    }
+
+    fn named_dict<'py>(&self, py: Python<'py>, out: Named) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (id, handle, len) in out {
+            d.set_item(self.py_name(py, id, &handle), len)?;
+        }
+        Ok(d)
     }
 }
 
@@ -205,15 +388,20 @@ fn budget_arg(v: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
 #[pymethods]
 impl PyPrefixIndex {
     #[new]
-    #[pyo3(signature = (max_tokens_per_worker = None))]
-    fn new(max_tokens_per_worker: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
+    #[pyo3(signature = (max_tokens_per_worker = None, *, byte_tokens = false))]
+    fn new(max_tokens_per_worker: Option<&Bound<'_, PyAny>>, byte_tokens: bool) -> PyResult<Self> {
         let budget = match max_tokens_per_worker {
             None => None,
             Some(v) if v.is_none() => None,
             Some(v) => Some(budget_arg(v, "max_tokens_per_worker")?),
         };
+        let inner = if byte_tokens {
+            Inner::Bytes(RwLock::new(ByteIndex::new(budget)))
+        } else {
+            Inner::Wide(RwLock::new(PrefixIndex::new(budget)))
+        };
         Ok(PyPrefixIndex {
-            inner: RwLock::new(PrefixIndex::new(budget)),
+            inner,
             names: Mutex::new(Vec::new()),
         })
     }
@@ -221,24 +409,19 @@ impl PyPrefixIndex {
     /// Budget of cached tokens per worker, or None when unbounded.
     #[getter]
     fn max_tokens_per_worker(&self) -> Option<u64> {
-        self.inner.read().max_tokens_per_worker()
+        with_tree!(self, t => t.read().max_tokens_per_worker())
+    }
+
+    /// Whether tokens are bytes (0-255), stored one byte each.
+    #[getter]
+    fn byte_tokens(&self) -> bool {
+        matches!(self.inner, Inner::Bytes(_))
     }
 
     /// Record that `worker` holds `tokens`; returns how many leading tokens it held
     /// before. Evicts over budget.
     fn insert(&self, py: Python<'_>, worker: &str, tokens: &Bound<'_, PyAny>) -> PyResult<u64> {
-        if let Ok(t) = tokens.downcast::<PyTokenIds>() {
-            let t = t.get();
-            let (ids, walk) = (Arc::clone(&t.ids), &t.walk);
-            return Ok(py.detach(|| {
-                self.inner
-                    .write()
-                    .insert_after(worker, &ids, walk)
-                    .held_before
-            }));
-        }
-        let tokens = extract_tokens(tokens)?;
-        Ok(py.detach(|| self.inner.write().insert(worker, &tokens).held_before))
+        with_tree!(self, t => insert_in(t, py, worker, tokens))
     }
 
     /// Undo an insert: `worker` stops holding `tokens` past its first `keep` tokens,
@@ -250,8 +433,10 @@ impl PyPrefixIndex {
         tokens: &Bound<'_, PyAny>,
         keep: u64,
     ) -> PyResult<u64> {
-        let tokens = extract_tokens(tokens)?;
-        Ok(py.detach(|| self.inner.write().rollback(worker, &tokens, keep)))
+        with_tree!(self, t => {
+            let tokens = tokens_for(t, tokens)?;
+            Ok(py.detach(|| t.write().rollback(worker, &tokens, keep)))
+        })
     }
 
     /// Matched prefix length per worker that holds any of `tokens`.
@@ -261,19 +446,8 @@ impl PyPrefixIndex {
         py: Python<'py>,
         tokens: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let tokens = extract_tokens(tokens)?;
-        let out: Named = py.detach(|| {
-            let g = self.inner.read();
-            g.match_all_ids(&tokens)
-                .into_iter()
-                .map(|(id, len)| (id, g.name_handle(id), len))
-                .collect()
-        });
-        let d = PyDict::new(py);
-        for (id, handle, len) in out {
-            d.set_item(self.py_name(py, id, &handle), len)?;
-        }
-        Ok(d)
+        let out = with_tree!(self, t => match_in(t, py, &tokens_for(t, tokens)?));
+        self.named_dict(py, out)
     }
 
     /// What a routing decision reads, from one walk: (matched length per worker,
@@ -285,17 +459,7 @@ impl PyPrefixIndex {
         py: Python<'py>,
         tokens: &Bound<'py, PyAny>,
     ) -> PyResult<LookupAnswer<'py>> {
-        let tokens = extract_tokens(tokens)?.into_shared();
-        let (out, longest, holders, walk): (Named, u32, usize, Walk) = py.detach(|| {
-            let g = self.inner.read();
-            let found = g.lookup_ids(&tokens);
-            let out = found
-                .matches
-                .into_iter()
-                .map(|(id, len)| (id, g.name_handle(id), len))
-                .collect();
-            (out, found.longest, found.holders, found.walk)
-        });
+        let (out, longest, holders, ids) = with_tree!(self, t => lookup_in(t, py, tokens)?);
         let d = PyDict::new(py);
         let mut names = Vec::with_capacity(holders);
         for (i, (id, handle, len)) in out.into_iter().enumerate() {
@@ -305,7 +469,6 @@ impl PyPrefixIndex {
             }
             d.set_item(name, len)?;
         }
-        let ids = PyTokenIds { ids: tokens, walk };
         Ok((d, longest, names, Py::new(py, ids)?))
     }
 
@@ -315,15 +478,7 @@ impl PyPrefixIndex {
         py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
     ) -> PyResult<(u32, Vec<Py<PyString>>)> {
-        let tokens = extract_tokens(tokens)?;
-        let (len, holders): (u32, Vec<(u32, Arc<str>)>) = py.detach(|| {
-            let g = self.inner.read();
-            let (len, ids) = g.longest_match_ids(&tokens);
-            (
-                len,
-                ids.into_iter().map(|id| (id, g.name_handle(id))).collect(),
-            )
-        });
+        let (len, holders) = with_tree!(self, t => longest_in(t, py, &tokens_for(t, tokens)?));
         let names = holders
             .iter()
             .map(|(id, h)| self.py_name(py, *id, h))
@@ -333,12 +488,12 @@ impl PyPrefixIndex {
 
     /// Forget a worker and its cached prefixes (no-op if unknown).
     fn remove_worker(&self, py: Python<'_>, worker: &str) {
-        py.detach(|| self.inner.write().remove_worker(worker));
+        with_tree!(self, t => py.detach(|| t.write().remove_worker(worker)));
     }
 
     /// Register a worker with nothing cached (no-op if known).
     fn add_worker(&self, worker: &str) {
-        self.inner.write().add_worker(worker);
+        with_tree!(self, t => t.write().add_worker(worker));
     }
 
     /// Give `worker` its own budget (None: the index's); evicts down to it at once.
@@ -354,32 +509,32 @@ impl PyPrefixIndex {
             Some(v) if v.is_none() => None,
             Some(v) => Some(budget_arg(v, "max_tokens")?),
         };
-        Ok(py.detach(|| self.inner.write().set_worker_budget(worker, budget)))
+        Ok(with_tree!(self, t => py.detach(|| t.write().set_worker_budget(worker, budget))))
     }
 
     /// The budget that applies to `worker`: its own, else the index's (None: unbounded).
     fn worker_budget(&self, worker: &str) -> Option<u64> {
-        self.inner.read().worker_budget(worker)
+        with_tree!(self, t => t.read().worker_budget(worker))
     }
 
     /// Tokens the worker is predicted to hold (0 if unknown).
     fn cached_tokens(&self, worker: &str) -> u64 {
-        self.inner.read().cached_tokens(worker)
+        with_tree!(self, t => t.read().cached_tokens(worker))
     }
 
     /// Known workers in registration order.
     fn workers(&self) -> Vec<String> {
-        self.inner.read().workers()
+        with_tree!(self, t => t.read().workers())
     }
 
     /// Forget every cached prefix; workers stay registered.
     fn clear(&self, py: Python<'_>) {
-        py.detach(|| self.inner.write().clear());
+        with_tree!(self, t => py.detach(|| t.write().clear()));
     }
 
     /// Counters: nodes, stored_tokens, cached_tokens, memory_bytes, evicted_tokens.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = py.detach(|| self.inner.read().stats());
+        let s = with_tree!(self, t => py.detach(|| t.read().stats()));
         let d = PyDict::new(py);
         d.set_item("nodes", s.nodes)?;
         d.set_item("stored_tokens", s.stored_tokens)?;
@@ -392,9 +547,9 @@ impl PyPrefixIndex {
     /// Raise AssertionError if an internal invariant is broken (for tests).
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
         let r = py.detach(|| {
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                self.inner.read().check_invariants()
-            }))
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(
+                || with_tree!(self, t => t.read().check_invariants()),
+            ))
         });
         r.map_err(|e| {
             let msg = e
@@ -407,15 +562,21 @@ impl PyPrefixIndex {
     }
 
     fn __repr__(&self) -> String {
-        let g = self.inner.read();
-        let s = g.stats();
+        let (workers, s, budget) = with_tree!(self, t => {
+            let g = t.read();
+            (g.workers().len(), g.stats(), g.max_tokens_per_worker())
+        });
         format!(
-            "PrefixIndex(workers={}, nodes={}, cached_tokens={}, max_tokens_per_worker={})",
-            g.workers().len(),
+            "PrefixIndex(workers={}, nodes={}, cached_tokens={}, max_tokens_per_worker={}{})",
+            workers,
             s.nodes,
             s.cached_tokens,
-            g.max_tokens_per_worker()
-                .map_or_else(|| "None".to_string(), |b| b.to_string())
+            budget.map_or_else(|| "None".to_string(), |b| b.to_string()),
+            if self.byte_tokens() {
+                ", byte_tokens=True"
+            } else {
+                ""
+            }
         )
     }
 }
@@ -447,28 +608,6 @@ fn u32_array<'py>(
     }
     drop(buf);
     Ok(out)
-}
-
-/// The no-tokenizer mode's token IDs: one per byte of `text` in UTF-8 (lone surrogates
-/// as Python's `surrogatepass` encodes them), as an `array.array('I')`. One pass from
-/// the str's own UTF-8 into the array: no intermediate bytes or NumPy arrays.
-#[pyfunction]
-fn utf8_token_ids<'py>(
-    py: Python<'py>,
-    text: &Bound<'py, PyString>,
-) -> PyResult<Bound<'py, PyAny>> {
-    let encoded;
-    let utf8: &[u8] = match text.to_str() {
-        Ok(s) => s.as_bytes(),
-        Err(_) => {
-            // Lone surrogates: no UTF-8 of its own; Python encodes them.
-            encoded = text
-                .call_method1("encode", ("utf-8", "surrogatepass"))?
-                .downcast_into::<PyBytes>()?;
-            encoded.as_bytes()
-        }
-    };
-    u32_array(py, utf8.iter().map(|&b| u32::from(b)))
 }
 
 /// The state store's tree keys for a prompt: two u32 per whole block of 16 tokens, the
@@ -623,7 +762,6 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPrefixIndex>()?;
     m.add_class::<PyBlockIndex>()?;
     m.add_class::<PyTokenIds>()?;
-    m.add_function(wrap_pyfunction!(utf8_token_ids, m)?)?;
     m.add_function(wrap_pyfunction!(block_digest_keys, m)?)?;
     m.add(
         "UnknownParentError",

@@ -1,5 +1,9 @@
 //! The approximate prefix index: one radix tree over token IDs shared by all workers.
 //!
+//! Generic over the token type (`Symbol`): `PrefixIndex` keys u32 token IDs, `ByteIndex`
+//! single bytes (the no-tokenizer mode's UTF-8 prompts: the same answers as a
+//! `PrefixIndex` of the bytes widened to u32, in a quarter of the memory a walk reads).
+//!
 //! Semantics are those of one radix tree per worker: `insert(w, tokens)` records that
 //! worker `w` now holds every prefix of `tokens`, and `match_all(tokens)` answers, for
 //! each worker, the length of the longest prefix of `tokens` it holds. The trees are
@@ -23,6 +27,8 @@
 use crate::children::Children;
 use crate::lru::{LruEntry, LruQueue};
 use rustc_hash::FxHashMap;
+use std::fmt::Debug;
+use std::hash::Hash;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -38,18 +44,18 @@ struct Holder {
 }
 
 #[derive(Debug, Default)]
-struct Node {
+struct Node<T> {
     parent: u32,
     generation: u32,
     /// Tokens from the root to the end of this node's edge.
     end_depth: u32,
-    edge: Vec<u32>,
-    children: Children,
+    edge: Vec<T>,
+    children: Children<T>,
     /// Sorted by worker id.
     holders: Vec<Holder>,
 }
 
-impl Node {
+impl<T> Node<T> {
     #[inline]
     fn holder_pos(&self, worker: u32) -> Result<usize, usize> {
         if self.holders.len() <= 8 {
@@ -103,10 +109,48 @@ pub struct Inserted {
     pub evicted: u64,
 }
 
-/// Prefix index over u32 token IDs with per-worker token budgets.
+/// A token of the index: what its edges hold and its child tables are keyed by.
+pub trait Symbol: Copy + Eq + Hash + Debug + Default + Send + Sync + 'static {
+    /// Length of the common prefix of `a` and `b`.
+    fn common_prefix(a: &[Self], b: &[Self]) -> usize;
+}
+
+/// Compare `$chunk`-token chunks first, each folded to one word (compiled to a few vector
+/// instructions; a slice comparison called memcmp once per chunk), then token by token.
+macro_rules! symbol {
+    ($t:ty, $chunk:literal) => {
+        impl Symbol for $t {
+            #[inline]
+            fn common_prefix(a: &[$t], b: &[$t]) -> usize {
+                let n = a.len().min(b.len());
+                let (a, b) = (&a[..n], &b[..n]);
+                let mut i = 0;
+                for (x, y) in a.chunks_exact($chunk).zip(b.chunks_exact($chunk)) {
+                    if x.iter().zip(y).fold(0, |d, (p, q)| d | (p ^ q)) != 0 {
+                        break;
+                    }
+                    i += $chunk;
+                }
+                while i < n && a[i] == b[i] {
+                    i += 1;
+                }
+                i
+            }
+        }
+    };
+}
+symbol!(u32, 16);
+symbol!(u8, 64);
+
+/// The prefix index over u32 token IDs.
+pub type PrefixIndex = Tree<u32>;
+/// The prefix index over bytes (token "IDs" 0-255).
+pub type ByteIndex = Tree<u8>;
+
+/// Prefix index over tokens of type `T` with per-worker token budgets.
 #[derive(Debug)]
-pub struct PrefixIndex {
-    nodes: Vec<Node>,
+pub struct Tree<T> {
+    nodes: Vec<Node<T>>,
     free_nodes: Vec<u32>,
     workers: Vec<Option<WorkerState>>,
     worker_ids: FxHashMap<String, u32>,
@@ -127,36 +171,16 @@ pub struct PrefixIndex {
 /// Source of `PrefixIndex::id`.
 static NEXT_INDEX_ID: AtomicU64 = AtomicU64::new(1);
 
-impl Default for PrefixIndex {
+impl<T: Symbol> Default for Tree<T> {
     fn default() -> Self {
         Self::new(None)
     }
 }
 
-/// Length of the common prefix of `a` and `b`.
-#[inline]
-fn common_prefix(a: &[u32], b: &[u32]) -> usize {
-    let n = a.len().min(b.len());
-    let (a, b) = (&a[..n], &b[..n]);
-    // Compare 16-token chunks first, each folded to one word (compiled to a few vector
-    // instructions; a slice comparison called memcmp once per chunk).
-    let mut i = 0;
-    for (x, y) in a.chunks_exact(16).zip(b.chunks_exact(16)) {
-        if x.iter().zip(y).fold(0, |d, (p, q)| d | (p ^ q)) != 0 {
-            break;
-        }
-        i += 16;
-    }
-    while i < n && a[i] == b[i] {
-        i += 1;
-    }
-    i
-}
-
-impl PrefixIndex {
+impl<T: Symbol> Tree<T> {
     /// A new, empty index. `max_tokens_per_worker = None` means unbounded.
     pub fn new(max_tokens_per_worker: Option<u64>) -> Self {
-        PrefixIndex {
+        Tree {
             nodes: vec![Node {
                 parent: NIL,
                 ..Node::default()
@@ -259,7 +283,7 @@ impl PrefixIndex {
 
     // ------------------------------------------------------------------- nodes
 
-    fn alloc(&mut self, parent: u32, edge: Vec<u32>) -> u32 {
+    fn alloc(&mut self, parent: u32, edge: Vec<T>) -> u32 {
         let end_depth = self.nodes[parent as usize].end_depth + edge.len() as u32;
         self.stored_tokens += edge.len() as u64;
         self.live_nodes += 1;
@@ -351,13 +375,13 @@ impl PrefixIndex {
     /// position; evict the worker's least recently used tokens if it is over budget.
     /// Returns how much of `tokens` the worker held before, and how much was evicted
     /// (what [`rollback`](Self::rollback) needs to undo the insert).
-    pub fn insert(&mut self, worker: &str, tokens: &[u32]) -> Inserted {
+    pub fn insert(&mut self, worker: &str, tokens: &[T]) -> Inserted {
         self.insert_from(worker, tokens, None)
     }
 
     /// `insert`, starting below the nodes `start` already walked (when it is still
     /// current: see `insert_after`); from the root otherwise.
-    fn insert_from(&mut self, worker: &str, tokens: &[u32], start: Option<&Walk>) -> Inserted {
+    fn insert_from(&mut self, worker: &str, tokens: &[T], start: Option<&Walk>) -> Inserted {
         let wid = self.intern(worker);
         if tokens.is_empty() {
             return Inserted::default();
@@ -384,7 +408,7 @@ impl PrefixIndex {
                 }
                 Some(child) => {
                     let edge_len = self.nodes[child as usize].edge.len();
-                    let k = common_prefix(&self.nodes[child as usize].edge, &tokens[pos..]);
+                    let k = T::common_prefix(&self.nodes[child as usize].edge, &tokens[pos..]);
                     let node = if k < edge_len {
                         self.split(child, k)
                     } else {
@@ -536,7 +560,7 @@ impl PrefixIndex {
     /// Walk `tokens` down the tree; for each node reached, the matched depth at its end
     /// (the last one may be matched only partly). Deepest last.
     #[inline]
-    fn walk<'a>(&'a self, tokens: &[u32], mut visit: impl FnMut(u32, &'a Node, u32)) {
+    fn walk<'a>(&'a self, tokens: &[T], mut visit: impl FnMut(u32, &'a Node<T>, u32)) {
         let mut cur = ROOT;
         let mut pos = 0usize;
         while pos < tokens.len() {
@@ -544,7 +568,7 @@ impl PrefixIndex {
                 break;
             };
             let n = &self.nodes[child as usize];
-            let k = common_prefix(&n.edge, &tokens[pos..]);
+            let k = T::common_prefix(&n.edge, &tokens[pos..]);
             pos += k;
             visit(child, n, pos as u32);
             if k < n.edge.len() {
@@ -557,8 +581,8 @@ impl PrefixIndex {
     /// The longest prefix of `tokens` held by any worker, and the ids of all the
     /// workers that hold that much. Cost: O(path), independent of the fleet size
     /// except for the answer itself.
-    pub fn longest_match_ids(&self, tokens: &[u32]) -> (u32, Vec<u32>) {
-        let mut best: Option<(&Node, u32)> = None;
+    pub fn longest_match_ids(&self, tokens: &[T]) -> (u32, Vec<u32>) {
+        let mut best: Option<(&Node<T>, u32)> = None;
         self.walk(tokens, |_, n, depth| best = Some((n, depth)));
         match best {
             None => (0, Vec::new()),
@@ -567,7 +591,7 @@ impl PrefixIndex {
     }
 
     /// Like [`longest_match_ids`](Self::longest_match_ids) with worker names.
-    pub fn longest_match(&self, tokens: &[u32]) -> (u32, Vec<String>) {
+    pub fn longest_match(&self, tokens: &[T]) -> (u32, Vec<String>) {
         let (len, ids) = self.longest_match_ids(tokens);
         (
             len,
@@ -577,15 +601,15 @@ impl PrefixIndex {
 
     /// Matched prefix length per worker id, for every worker that holds at least one
     /// token of `tokens`.
-    pub fn match_all_ids(&self, tokens: &[u32]) -> Vec<(u32, u32)> {
-        let mut path: Vec<(&Node, u32)> = Vec::with_capacity(8);
+    pub fn match_all_ids(&self, tokens: &[T]) -> Vec<(u32, u32)> {
+        let mut path: Vec<(&Node<T>, u32)> = Vec::with_capacity(8);
         self.walk(tokens, |_, n, depth| path.push((n, depth)));
         self.holders_by_depth(&path)
     }
 
     /// Each holder of a node on `path` (root first, with the matched depth at each
     /// node) with the deepest depth it holds, deepest first.
-    fn holders_by_depth(&self, path: &[(&Node, u32)]) -> Vec<(u32, u32)> {
+    fn holders_by_depth(&self, path: &[(&Node<T>, u32)]) -> Vec<(u32, u32)> {
         let mut out = Vec::new();
         match path.len() {
             0 => {}
@@ -609,7 +633,7 @@ impl PrefixIndex {
     }
 
     /// Matched prefix length per worker name.
-    pub fn match_all(&self, tokens: &[u32]) -> Vec<(String, u32)> {
+    pub fn match_all(&self, tokens: &[T]) -> Vec<(String, u32)> {
         self.match_all_ids(tokens)
             .into_iter()
             .map(|(id, len)| (self.name(id).to_owned(), len))
@@ -680,11 +704,11 @@ impl PrefixIndex {
     // ------------------------------------------------------------------- stats
 
     pub fn stats(&self) -> IndexStats {
-        let mut bytes = self.nodes.capacity() * std::mem::size_of::<Node>()
+        let mut bytes = self.nodes.capacity() * std::mem::size_of::<Node<T>>()
             + self.free_nodes.capacity() * 4
             + self.workers.capacity() * std::mem::size_of::<Option<WorkerState>>();
         for n in &self.nodes {
-            bytes += n.edge.capacity() * 4
+            bytes += n.edge.capacity() * std::mem::size_of::<T>()
                 + n.holders.capacity() * std::mem::size_of::<Holder>()
                 + n.children.heap_bytes();
         }

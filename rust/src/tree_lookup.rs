@@ -13,7 +13,7 @@
 //! stale or foreign walk is ignored and the insert walks from the root: same result
 //! either way, only the work differs.
 
-use super::{Node, PrefixIndex};
+use super::{Node, Symbol, Tree};
 
 /// The nodes a lookup's tokens matched whole, root first, and the tokens they cover;
 /// valid for `insert_after` of the same tokens while its index is unchanged.
@@ -38,14 +38,14 @@ pub struct Lookup {
     pub walk: Walk,
 }
 
-impl PrefixIndex {
+impl<T: Symbol> Tree<T> {
     /// What a routing decision reads, from one walk: the matched length per worker id
     /// (as [`match_all_ids`](Self::match_all_ids)), and the longest match with its
     /// holders (as [`longest_match_ids`](Self::longest_match_ids)): the deepest node's
     /// holders come first in `matches`, in the same order, and nobody else matches as
     /// deep (each node on the path ends deeper than its parent). And the walk itself.
-    pub fn lookup_ids(&self, tokens: &[u32]) -> Lookup {
-        let mut path: Vec<(&Node, u32)> = Vec::with_capacity(8);
+    pub fn lookup_ids(&self, tokens: &[T]) -> Lookup {
+        let mut path: Vec<(&Node<T>, u32)> = Vec::with_capacity(8);
         let mut walk = Walk {
             index: self.id,
             epoch: self.epoch,
@@ -73,7 +73,7 @@ impl PrefixIndex {
     /// [`insert`](Self::insert) of the tokens `walk` was taken for (by `lookup_ids`),
     /// without walking again the nodes they matched whole if the tree is unchanged
     /// since; from the root otherwise. The same result as `insert` in both cases.
-    pub fn insert_after(&mut self, worker: &str, tokens: &[u32], walk: &Walk) -> super::Inserted {
+    pub fn insert_after(&mut self, worker: &str, tokens: &[T], walk: &Walk) -> super::Inserted {
         debug_assert!(walk.pos as usize <= tokens.len());
         self.insert_from(worker, tokens, Some(walk))
     }

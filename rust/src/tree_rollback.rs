@@ -9,12 +9,12 @@
 //! its prefixes: what another insert of `w` still needs is kept. `keep` is what
 //! `insert` reported as held before (`Inserted::held_before`).
 
-use super::{PrefixIndex, ROOT};
+use super::{Symbol, Tree, ROOT};
 
-impl PrefixIndex {
+impl<T: Symbol> Tree<T> {
     /// Make `worker` stop holding `tokens` beyond its first `keep` tokens (see the
     /// module comment); returns the tokens dropped. Unknown workers are ignored.
-    pub fn rollback(&mut self, worker: &str, tokens: &[u32], keep: u64) -> u64 {
+    pub fn rollback(&mut self, worker: &str, tokens: &[T], keep: u64) -> u64 {
         let Some(wid) = self.worker_id(worker) else {
             return 0;
         };

@@ -374,16 +374,129 @@ fn a_worker_budget_overrides_the_index_budget() {
 
 #[test]
 fn common_prefix_finds_the_first_difference_at_every_position() {
-    for len in [0usize, 1, 15, 16, 17, 31, 32, 33, 100] {
+    for len in [0usize, 1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 130] {
         let a: Vec<u32> = (0..len as u32).map(|x| x * 7 + 1).collect();
-        assert_eq!(common_prefix(&a, &a), len);
-        assert_eq!(common_prefix(&a, &a[..len / 2]), len / 2);
+        let a8: Vec<u8> = a.iter().map(|&x| x as u8).collect();
+        assert_eq!(u32::common_prefix(&a, &a), len);
+        assert_eq!(u32::common_prefix(&a, &a[..len / 2]), len / 2);
+        assert_eq!(u8::common_prefix(&a8, &a8), len);
+        assert_eq!(u8::common_prefix(&a8, &a8[..len / 2]), len / 2);
         for at in 0..len {
             for flip in [1u32, 1 << 31] {
                 let mut b = a.clone();
                 b[at] ^= flip;
-                assert_eq!(common_prefix(&a, &b), at, "len {len} at {at}");
-                assert_eq!(common_prefix(&b, &a), at, "len {len} at {at}");
+                assert_eq!(u32::common_prefix(&a, &b), at, "len {len} at {at}");
+                assert_eq!(u32::common_prefix(&b, &a), at, "len {len} at {at}");
+            }
+            for flip in [1u8, 1 << 7] {
+                let mut b = a8.clone();
+                b[at] ^= flip;
+                assert_eq!(u8::common_prefix(&a8, &b), at, "len {len} at {at}");
+                assert_eq!(u8::common_prefix(&b, &a8), at, "len {len} at {at}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_byte_index_answers_as_the_index_of_its_bytes_widened() {
+    // The same operations on bytes, and on the same bytes as u32 token IDs: every
+    // answer (matches, lookups, inserts, rollbacks, evictions, counters) is the same;
+    // only the memory differs.
+    for seed in 0..200u64 {
+        let mut rng = SmallRng::seed_from_u64(seed);
+        let budget = if seed % 3 == 0 {
+            None
+        } else {
+            Some(rng.gen_range(0..200u64))
+        };
+        let mut wide = PrefixIndex::new(budget);
+        let mut bytes = ByteIndex::new(budget);
+        // Long stems, so edges are compared in whole chunks as well as token by token.
+        let stems: Vec<Vec<u32>> = (0..3)
+            .map(|_| {
+                (0..rng.gen_range(1..150))
+                    .map(|_| rng.gen_range(0..3))
+                    .collect()
+            })
+            .collect();
+        let workers = ["w0", "w1", "w2"];
+        let mut done: Vec<(&str, Vec<u32>, u64)> = Vec::new();
+        for step in 0..80 {
+            let w = workers[rng.gen_range(0..workers.len())];
+            let t = random_tokens(&mut rng, &stems);
+            let t8: Vec<u8> = t.iter().map(|&x| x as u8).collect();
+            let at = format!("seed {seed} step {step}");
+            match rng.gen_range(0..12) {
+                0 => {
+                    wide.remove_worker(w);
+                    bytes.remove_worker(w);
+                }
+                1 => {
+                    let b = rng.gen_range(0..100u64);
+                    assert_eq!(
+                        wide.set_worker_budget(w, Some(b)),
+                        bytes.set_worker_budget(w, Some(b)),
+                        "{at}"
+                    );
+                }
+                2 if !done.is_empty() => {
+                    let (w, t, keep) = done.swap_remove(rng.gen_range(0..done.len()));
+                    let t8: Vec<u8> = t.iter().map(|&x| x as u8).collect();
+                    assert_eq!(
+                        wide.rollback(w, &t, keep),
+                        bytes.rollback(w, &t8, keep),
+                        "{at}"
+                    );
+                }
+                3..=7 => {
+                    let a = wide.insert(w, &t);
+                    let b = bytes.insert(w, &t8);
+                    assert_eq!(a, b, "{at}");
+                    done.push((w, t, a.held_before));
+                }
+                8 => {
+                    // Insert through the lookup's walk, as a routing decision does.
+                    let (fa, fb) = (wide.lookup_ids(&t), bytes.lookup_ids(&t8));
+                    assert_eq!(fa.matches, fb.matches, "{at}");
+                    let a = wide.insert_after(w, &t, &fa.walk);
+                    assert_eq!(a, bytes.insert_after(w, &t8, &fb.walk), "{at}");
+                    done.push((w, t, a.held_before));
+                }
+                _ => {
+                    let (fa, fb) = (wide.lookup_ids(&t), bytes.lookup_ids(&t8));
+                    assert_eq!(
+                        (fa.matches, fa.longest, fa.holders),
+                        (fb.matches, fb.longest, fb.holders),
+                        "{at}"
+                    );
+                    assert_eq!(
+                        sorted(wide.match_all(&t)),
+                        sorted(bytes.match_all(&t8)),
+                        "{at}"
+                    );
+                }
+            }
+            bytes.check_invariants();
+            let (sa, sb) = (wide.stats(), bytes.stats());
+            assert_eq!(
+                (
+                    sa.nodes,
+                    sa.stored_tokens,
+                    sa.cached_tokens,
+                    sa.evicted_tokens
+                ),
+                (
+                    sb.nodes,
+                    sb.stored_tokens,
+                    sb.cached_tokens,
+                    sb.evicted_tokens
+                ),
+                "{at}"
+            );
+            assert!(sb.memory_bytes <= sa.memory_bytes, "{at}");
+            for w in workers {
+                assert_eq!(wide.cached_tokens(w), bytes.cached_tokens(w), "{at} {w}");
             }
         }
     }

@@ -70,9 +70,10 @@ def token_lists(draw: st.DrawFn) -> list[int]:
 
 
 class IndexMachine(RuleBasedStateMachine):
-    @initialize(budget=st.one_of(st.none(), st.integers(0, 30)))
-    def setup(self, budget: int | None) -> None:
-        self.index = PrefixIndex(budget)
+    @initialize(budget=st.one_of(st.none(), st.integers(0, 30)), byte_tokens=st.booleans())
+    def setup(self, budget: int | None, byte_tokens: bool) -> None:
+        # A byte-token index answers as the index of u32 IDs, for IDs 0-255.
+        self.index = PrefixIndex(budget, byte_tokens=byte_tokens)
         self.ref = ReferenceIndex(budget)
 
     @rule(
@@ -142,6 +143,16 @@ class IndexMachine(RuleBasedStateMachine):
         before = {w: self.index.cached_tokens(w) for w in self.ref.held}
         with pytest.raises((ValueError, TypeError)):
             self.index.insert(worker, bad)  # type: ignore[arg-type]
+        assert {w: self.index.cached_tokens(w) for w in self.ref.held} == before
+
+    @precondition(lambda self: self.index.byte_tokens)
+    @rule(worker=WORKERS, bad=st.sampled_from([[256], [1, 2, 300], array.array("I", [2**20])]))
+    def byte_index_refuses_ids_above_255(self, worker: str, bad: object) -> None:
+        before = {w: self.index.cached_tokens(w) for w in self.ref.held}
+        with pytest.raises(ValueError, match="outside \\[0, 255\\]"):
+            self.index.insert(worker, bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="outside \\[0, 255\\]"):
+            self.index.lookup(bad)  # type: ignore[arg-type]
         assert {w: self.index.cached_tokens(w) for w in self.ref.held} == before
 
     @invariant()
@@ -308,3 +319,36 @@ def test_token_ids_from_a_lookup_stand_for_the_prompt_everywhere() -> None:
     blocks.stored("w", None, [7], ids, 5)  # any call that takes tokens
     assert blocks.match([1, 2, 3, 4, 5]) == {"w": 5}
     idx.check_invariants()
+
+
+def test_token_ids_cross_between_byte_and_u32_indexes() -> None:
+    """A ``TokenIds`` of either kind of index is read by the other: widened, or
+    narrowed (refused above 255); its walk only serves the index that made it."""
+    wide, narrow = PrefixIndex(), PrefixIndex(byte_tokens=True)
+    assert (wide.byte_tokens, narrow.byte_tokens) == (False, True)
+    assert "byte_tokens=True" in repr(narrow) and "byte_tokens" not in repr(wide)
+    *_, from_bytes = narrow.lookup(b"hello world")
+    *_, from_wide = wide.lookup(array.array("I", iter(b"hello there")))
+    assert (len(from_bytes), len(from_wide)) == (11, 11)
+    assert wide.insert("a", from_bytes) == 0 and narrow.insert("a", from_wide) == 0
+    assert wide.match(b"hello world") == {"a": 11} and narrow.match(b"hello there") == {"a": 11}
+    *_, too_wide = wide.lookup([1, 2, 999])
+    with pytest.raises(ValueError, match="position 2 is 999"):
+        narrow.insert("a", too_wide)
+    narrow.check_invariants()
+
+
+def test_a_byte_index_stores_a_byte_per_token() -> None:
+    text = ("a shared system prompt, " * 200).encode()
+    stats = []
+    for byte_tokens in (False, True):
+        idx = PrefixIndex(byte_tokens=byte_tokens)
+        for i in range(50):
+            idx.insert(f"w{i % 4}", text + b"question %d" % i)
+        stats.append(idx.stats())
+    wide, narrow = stats
+    assert {k: v for k, v in wide.items() if k != "memory_bytes"} == {
+        k: v for k, v in narrow.items() if k != "memory_bytes"
+    }
+    # The same tree, with edges of one byte per token instead of four.
+    assert wide["memory_bytes"] - narrow["memory_bytes"] >= 3 * wide["stored_tokens"]

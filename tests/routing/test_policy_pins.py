@@ -57,9 +57,9 @@ def test_sglang_defaults_everywhere() -> None:
     ("request_tokens", "expected"),
     [
         # 3 of 10 tokens cached on A: a ratio of exactly 0.3 is not above the threshold.
-        (toks((0, 3), (5000, 7)), (B, "cache_miss")),
+        (toks((0, 3), (150, 7)), (B, "cache_miss")),
         # 31 of 100: just past it, so the busier cache holder wins.
-        (toks((0, 31), (5000, 69)), (A, "cache_hit")),
+        (toks((0, 31), (150, 69)), (A, "cache_hit")),
     ],
 )
 def test_cache_threshold_boundary(

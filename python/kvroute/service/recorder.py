@@ -45,7 +45,10 @@ OUTPUT_KEYS = ("max_completion_tokens", "max_tokens")
 
 def hash_ids(tokens: Sequence[int], salt: bytes, block: int = BLOCK_TOKENS) -> list[int]:
     """Chained ids of the prompt's blocks: id_i = H(salt, id_(i-1), block_i tokens)."""
-    arr = np.asarray(tokens, dtype=np.uint32)
+    if isinstance(tokens, bytes):  # no tokenizer: the UTF-8 bytes, each its own ID
+        arr = np.frombuffer(tokens, dtype=np.uint8).astype(np.uint32)
+    else:
+        arr = np.asarray(tokens, dtype=np.uint32)
     out: list[int] = []
     prev = b""
     for start in range(0, len(arr), block):

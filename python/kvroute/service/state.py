@@ -68,6 +68,9 @@ class RouterState:
     # period runs out, cancels what is still in flight.
     draining: bool = False
     recorder: Any = None  # kvroute.service.recorder.TraceRecorder with --record
+    # The index holds bytes (``PrefixIndex(byte_tokens=True)``): requests' tokens are
+    # given to it as ``kvroute.routing.tokenization.byte_tokens`` makes them.
+    byte_tokens: bool = False
 
     async def use_transport(self, transport: httpx.AsyncBaseTransport) -> None:
         """Send all upstream traffic through ``transport`` (tests: a mock worker); the
@@ -204,6 +207,10 @@ def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) ->
         )
     # Until a worker has its own budget, the fallback (capped) applies.
     size = settings.max_tree_size if budget is None else budget.budget_for("", 1)
+    # Without a tokenizer, prompts are UTF-8 bytes: kept a byte each (a quarter of the
+    # memory a walk reads), unless the store's digests or the engines' events (token IDs
+    # and u32 partition tokens) key the index.
+    byte_tokens = tokenizer.uses_bytes and not settings.state_store and not settings.kv_events
     if settings.state_store:
         from kvroute.fleet.shared import DigestIndex
 
@@ -211,7 +218,7 @@ def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) ->
         # budget on every replica.
         index = DigestIndex(size)
     else:
-        index = PrefixIndex(size)
+        index = PrefixIndex(size, byte_tokens=byte_tokens)
     policy = create_policy(
         settings.policy,
         cast(PrefixIndex, index),  # DigestIndex: the same methods, duck-typed
@@ -249,6 +256,7 @@ def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) ->
             settings.queue_timeout_secs,
         ),
         quarantine=Quarantine(settings.quarantine_secs),
+        byte_tokens=byte_tokens,
     )
     state.work = work
     state.metrics = RouterMetrics(state.snapshot)

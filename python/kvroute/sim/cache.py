@@ -282,6 +282,8 @@ class PrefixCache:
         Returns ``(cached_tokens, handle)``. If not every block fits (everything else
         pinned), as many leading blocks as fit are cached and pinned.
         """
+        if isinstance(tokens, bytes):  # no tokenizer: the prompt's UTF-8 bytes as IDs
+            tokens = np.frombuffer(tokens, dtype=np.uint8).astype(np.uint32)
         seq = sequence(tokens, output_len)
         keys = block_keys(seq, self.block_size)
         if namespace:

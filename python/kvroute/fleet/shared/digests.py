@@ -56,6 +56,8 @@ def block_digests(tokens: Sequence[int] | npt.NDArray[Any]) -> npt.NDArray[np.ui
     """One 64-bit digest per whole block of ``tokens`` (a partial last block is left out)."""
     if isinstance(tokens, np.ndarray):
         t = tokens
+    elif isinstance(tokens, bytes):  # no tokenizer: one ID per UTF-8 byte
+        t = np.frombuffer(tokens, dtype=np.uint8)
     elif isinstance(tokens, array.array) and tokens.typecode == "I":
         t = np.frombuffer(tokens, dtype=np.uint32)  # the tokenizer's output: no copy
     else:

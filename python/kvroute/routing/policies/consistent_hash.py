@@ -18,6 +18,8 @@ from kvroute.routing.policies.base import Decision, Policy, RouteRequest
 
 def prefix_key(tokens: object, n: int) -> bytes:
     head = tokens[:n]  # type: ignore[index]
+    if isinstance(head, bytes):  # no tokenizer: the key of the bytes as u32 IDs
+        return array.array("I", iter(head)).tobytes()
     try:
         return memoryview(head).cast("B").tobytes()
     except TypeError:
