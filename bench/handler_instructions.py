@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -167,6 +168,13 @@ def main() -> int:
     )
     ap.add_argument("--requests", type=int, default=500)
     ap.add_argument("--instructions", action="store_true", help="count under callgrind")
+    ap.add_argument(
+        "--cache-sim",
+        action="store_true",
+        help="with --instructions: also the data cache misses callgrind simulates (first "
+        "level and last level, this machine's cache sizes): memory traffic, which the "
+        "instruction count misses",
+    )
     ap.add_argument("--counting", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument(
         "--stream-chunks",
@@ -190,19 +198,32 @@ def main() -> int:
             argv += ["--stream-chunks", str(args.stream_chunks)]
         argv += ["--requests", str(args.requests), "--instructions", "--counting"]
         vg = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
+        if args.cache_sim:
+            vg.append("--cache-sim=yes")
         subprocess.run([*vg, *argv], check=True, capture_output=True)
-        total = 0
+        # Per event (Ir; with --cache-sim also Dr Dw I1mr D1mr D1mw ILmr DLmr DLmw), as
+        # named by the header line above the totals.
+        totals: dict[str, int] = {}
         for f in out.parent.glob("callgrind.out*"):
             text = subprocess.run(["callgrind_annotate", str(f)], capture_output=True, text=True)
-            for line in text.stdout.splitlines():
+            lines = text.stdout.splitlines()
+            for i, line in enumerate(lines):
                 if "PROGRAM TOTALS" in line:
-                    total += int(line.split()[0].replace(",", ""))
+                    names = lines[i - 2].split()
+                    values = re.findall(r"([\d,]+) \(", line) or line.split()[:1]
+                    for name, v in zip(names, values, strict=False):
+                        totals[name] = totals.get(name, 0) + int(v.replace(",", ""))
+        total = totals.get("Ir", 0)
         what = args.target if args.target == "floor" else f"kvroute {args.policy}"
         if args.tokenizer and args.target != "floor":
             what += " (tokenized)"
         if args.stream_chunks:
             what += f", streaming {args.stream_chunks} events"
         print(f"{what}: {total / args.requests:,.0f} instructions per request (in process)")
+        if args.cache_sim:
+            d1 = (totals.get("D1mr", 0) + totals.get("D1mw", 0)) / args.requests
+            ll = (totals.get("DLmr", 0) + totals.get("DLmw", 0)) / args.requests
+            print(f"{what}: {d1:,.0f} first-level and {ll:,.0f} last-level data misses per request")
         return 0
 
     import uvloop
