@@ -414,3 +414,20 @@ async def test_streams_pass_decoded() -> None:
             assert r.status_code == 200 and r.content == events
             assert r.headers["content-type"].startswith("text/event-stream")
             assert "content-encoding" not in r.headers
+
+
+@pytest.mark.parametrize(
+    ("settings", "byte_tokens"),
+    [
+        ({}, True),  # no tokenizer: UTF-8 bytes, a byte each
+        ({"token_id_prompts": True}, False),  # clients send the engines' token IDs
+    ],
+)
+def test_the_index_keeps_bytes_only_when_prompts_are_utf8_bytes(
+    settings: dict[str, Any], byte_tokens: bool
+) -> None:
+    from kvroute.service.state import build_state
+
+    state = build_state(Settings(worker_urls=["http://a:1"], **settings).validate())
+    assert state.byte_tokens is byte_tokens
+    assert state.index.byte_tokens is byte_tokens

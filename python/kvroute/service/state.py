@@ -209,8 +209,10 @@ def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) ->
     size = settings.max_tree_size if budget is None else budget.budget_for("", 1)
     # Without a tokenizer, prompts are UTF-8 bytes: kept a byte each (a quarter of the
     # memory a walk reads), unless the store's digests or the engines' events (token IDs
-    # and u32 partition tokens) key the index.
-    byte_tokens = tokenizer.uses_bytes and not settings.state_store and not settings.kv_events
+    # and u32 partition tokens) key the index, or the clients send token IDs.
+    byte_tokens = tokenizer.uses_bytes and not (
+        settings.state_store or settings.kv_events or settings.token_id_prompts
+    )
     if settings.state_store:
         from kvroute.fleet.shared import DigestIndex
 
