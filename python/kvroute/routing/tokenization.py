@@ -100,7 +100,8 @@ def utf8_tokens(text: str) -> bytes:
     return text.encode("utf-8", "surrogatepass")
 
 
-# Bytes UTF-8 never uses: a byte-token index holds them for nothing a text prompt has.
+# Bytes that never occur in UTF-8: what a byte-token index holds for an ID that is no
+# byte of a text (0xF8 and above), so it never meets a text prompt's bytes.
 _ESCAPE_FROM = 0xF8
 _ESCAPE = b"\xff"
 
@@ -122,7 +123,7 @@ def _escaped(ids: Sequence[int]) -> bytes:
     if small.all():
         return a.astype(np.uint8).tobytes()
     # One row per ID: the byte itself, or 0xFF and the four bytes; then only the bytes
-    # each row uses, in order (numpy: a 100,000-ID prompt in about a millisecond).
+    # each row uses, in order (numpy: 100,000 IDs in a few milliseconds, not tens).
     rows = np.empty((len(a), 5), dtype=np.uint8)
     rows[:, 1:] = a.view(np.uint8).reshape(-1, 4)
     rows[:, 0] = np.where(small, a, _ESCAPE[0])
