@@ -9,11 +9,25 @@ routes on its first prompt, but every prompt is checked.
 from __future__ import annotations
 
 import array
+from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from kvroute.errors import BadRequestError
 
 MAX_TOKEN_ID = 2**32 - 1
+
+
+def token_array(tokens: Sequence[int] | npt.NDArray[Any]) -> npt.NDArray[np.uint32]:
+    """A prompt's token IDs as a u32 array; a ``bytes`` prompt (no tokenizer: its UTF-8
+    bytes) as one ID per byte. An ``array('I')`` or u32 array is not copied."""
+    if isinstance(tokens, bytes):
+        return np.frombuffer(tokens, dtype=np.uint8).astype(np.uint32)
+    if isinstance(tokens, array.array) and tokens.typecode == "I":
+        return np.frombuffer(tokens, dtype=np.uint32)
+    return np.asarray(tokens, dtype=np.uint32)
 
 
 def token_list(value: Any, field: str, max_id: int = MAX_TOKEN_ID) -> array.array[int]:

@@ -30,11 +30,11 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import numpy as np
 import orjson
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvroute.routing.prompts import token_array
 from kvroute.routing.tokenization import PromptTokenizer
 
 log = logging.getLogger("kvroute.service.recorder")
@@ -45,10 +45,7 @@ OUTPUT_KEYS = ("max_completion_tokens", "max_tokens")
 
 def hash_ids(tokens: Sequence[int], salt: bytes, block: int = BLOCK_TOKENS) -> list[int]:
     """Chained ids of the prompt's blocks: id_i = H(salt, id_(i-1), block_i tokens)."""
-    if isinstance(tokens, bytes):  # no tokenizer: the UTF-8 bytes, each its own ID
-        arr = np.frombuffer(tokens, dtype=np.uint8).astype(np.uint32)
-    else:
-        arr = np.asarray(tokens, dtype=np.uint32)
+    arr = token_array(tokens)
     out: list[int] = []
     prev = b""
     for start in range(0, len(arr), block):

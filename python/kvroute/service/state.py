@@ -68,9 +68,12 @@ class RouterState:
     # period runs out, cancels what is still in flight.
     draining: bool = False
     recorder: Any = None  # kvroute.service.recorder.TraceRecorder with --record
-    # The index holds bytes (``PrefixIndex(byte_tokens=True)``): requests' tokens are
-    # given to it as ``kvroute.routing.tokenization.byte_tokens`` makes them.
-    byte_tokens: bool = False
+
+    @property
+    def byte_tokens(self) -> bool:
+        """The index holds bytes (``PrefixIndex(byte_tokens=True)``): requests' tokens
+        are given to it as ``kvroute.routing.tokenization.byte_tokens`` makes them."""
+        return isinstance(self.index, PrefixIndex) and self.index.byte_tokens
 
     async def use_transport(self, transport: httpx.AsyncBaseTransport) -> None:
         """Send all upstream traffic through ``transport`` (tests: a mock worker); the
@@ -258,7 +261,6 @@ def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) ->
             settings.queue_timeout_secs,
         ),
         quarantine=Quarantine(settings.quarantine_secs),
-        byte_tokens=byte_tokens,
     )
     state.work = work
     state.metrics = RouterMetrics(state.snapshot)

@@ -46,6 +46,8 @@ from operator import not_
 import numpy as np
 import numpy.typing as npt
 
+from kvroute.routing.prompts import token_array
+
 U64 = np.uint64
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MULT_SEED = 0x5EED_B10C
@@ -283,7 +285,7 @@ class PrefixCache:
         pinned), as many leading blocks as fit are cached and pinned.
         """
         if isinstance(tokens, bytes):  # no tokenizer: the prompt's UTF-8 bytes as IDs
-            tokens = np.frombuffer(tokens, dtype=np.uint8).astype(np.uint32)
+            tokens = token_array(tokens)
         seq = sequence(tokens, output_len)
         keys = block_keys(seq, self.block_size)
         if namespace:

@@ -33,6 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvroute._native import PrefixIndex, block_digest_keys
+from kvroute.routing.prompts import token_array
 
 BLOCK_SIZE = 16
 _U64 = np.uint64
@@ -54,14 +55,7 @@ _MULT = _mix(np.arange(1, BLOCK_SIZE + 1, dtype=_U64) * _U64(0x9E3779B97F4A7C15)
 
 def block_digests(tokens: Sequence[int] | npt.NDArray[Any]) -> npt.NDArray[np.uint64]:
     """One 64-bit digest per whole block of ``tokens`` (a partial last block is left out)."""
-    if isinstance(tokens, np.ndarray):
-        t = tokens
-    elif isinstance(tokens, bytes):  # no tokenizer: one ID per UTF-8 byte
-        t = np.frombuffer(tokens, dtype=np.uint8)
-    elif isinstance(tokens, array.array) and tokens.typecode == "I":
-        t = np.frombuffer(tokens, dtype=np.uint32)  # the tokenizer's output: no copy
-    else:
-        t = np.asarray(tokens, dtype=_U64)
+    t = tokens if isinstance(tokens, np.ndarray) else token_array(tokens)
     nb = len(t) // BLOCK_SIZE
     if nb == 0:
         return np.empty(0, dtype=_U64)

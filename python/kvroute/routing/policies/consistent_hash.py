@@ -14,12 +14,13 @@ from collections.abc import Mapping
 
 from kvroute.routing.policies._ring import Ring, hash64
 from kvroute.routing.policies.base import Decision, Policy, RouteRequest
+from kvroute.routing.prompts import token_array
 
 
 def prefix_key(tokens: object, n: int) -> bytes:
     head = tokens[:n]  # type: ignore[index]
     if isinstance(head, bytes):  # no tokenizer: the key of the bytes as u32 IDs
-        return array.array("I", iter(head)).tobytes()
+        return token_array(head).tobytes()
     try:
         return memoryview(head).cast("B").tobytes()
     except TypeError:
