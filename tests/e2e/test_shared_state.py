@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from kvroute.eval.procs import Server
+from kvroute.fleet.budget import MIN_SAMPLES
 from kvroute.fleet.shared.wire import unpack_inserts
 from kvroute.routing.tokenization import default_tokenizer_dir
 from support import (
@@ -28,6 +29,7 @@ from support import (
     metric,
     start_fake_worker,
     start_router,
+    start_sim_worker,
     wait_until,
 )
 
@@ -542,3 +544,28 @@ def test_replicas_budget_each_worker_by_its_engine_and_evict_alike(
     assert 0 < held[0][small.url] <= expected[small.url]
     # More than that went there (12 prompts of 340 IDs over two workers): it evicted.
     assert all(metric(r, "kvroute_index_evicted_tokens") > 0 for r in rs)
+
+
+def test_replicas_budget_with_the_bytes_per_token_one_of_them_learned(
+    tmp_path: Path, processes: list[Server], redis_server: RedisServer, routers: Routers
+) -> None:
+    """Routing on bytes, a router learns the bytes per engine token from the answers; with
+    a store every replica budgets with the same scale (the oldest router's that learned
+    one, published with its heartbeat), so one that never saw an answer follows."""
+    sim = start_sim_worker(tmp_path, "--capacity-tokens", "20000")  # a token per byte
+    processes.append(sim)
+    rs = routers(2, [sim.url], redis_server.url)
+    assert wait_until(lambda: all(live(r) == 2 for r in rs))
+
+    def budget(r: Server) -> int:
+        return int(httpx.get(r.url + "/workers", timeout=5).json()[0]["index_budget"])
+
+    assert wait_until(lambda: all(budget(r) == 80_000 for r in rs))  # 4 bytes per token
+    for i in range(MIN_SAMPLES):  # through the second router only
+        body = {"prompt": f"request {i:03d} " + "a b c " * 60, "max_tokens": 2}
+        resp = httpx.post(rs[1].url + "/v1/completions", json=body, timeout=30)
+        assert resp.status_code == 200, resp.text
+    assert wait_until(lambda: all(budget(r) == 20_000 for r in rs)), [budget(r) for r in rs]
+    assert metric(rs[0], "kvroute_index_bytes_per_token") == 1
+    learned = {r["url"]: r.get("bytes_per_token") for r in httpx.get(rs[0].url + "/routers").json()}
+    assert learned[rs[1].url] == 1.0 and learned[rs[0].url] is None, learned

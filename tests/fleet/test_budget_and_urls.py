@@ -79,6 +79,36 @@ def test_bytes_per_token_are_learned_from_the_answers() -> None:
         assert fixed.scale in (1, 4) and fixed.samples == 0
 
 
+def test_with_a_store_the_scale_is_the_one_adopted_not_the_one_learned() -> None:
+    """Replicas sharing a store budget alike: each learns from its own answers
+    (``learned``, which its heartbeat publishes) but budgets only with the scale it
+    adopts; a scale read from the store is rounded to the learning's steps and refused
+    when absurd."""
+    b = IndexBudget(1_000, 10**9, index_in_bytes=True, learn_scale=True, follows=True)
+    b.reported["a"] = 500
+    for _ in range(MIN_SAMPLES - 1):
+        assert not b.observe(2_000, 1_000)
+    assert b.learned is None
+    assert not b.observe(2_000, 1_000)
+    assert b.learned == 2.0 and b.scale == 4  # learned, not used
+    assert b.adopt(2.0) and b.scale == 2 and b.budget_for("a", 1) == 1_000
+    assert not b.adopt(2.0)  # no change
+    assert b.adopt(3.06) and b.scale == 3  # rounded to 1/8 steps
+    for bad in (0.0, -1.0, float("nan"), float("inf"), 1e6):
+        assert not b.adopt(bad) and b.scale == 3
+    # Learned within 10% of the default: published as the default itself.
+    c = IndexBudget(1_000, 10**9, index_in_bytes=True, learn_scale=True, follows=True)
+    for _ in range(MIN_SAMPLES):
+        c.observe(4_100, 1_000)
+    assert c.learned == 4.0
+    # Alone, or routing on token IDs, nothing is adopted.
+    for alone in (
+        IndexBudget(1_000, 10**9, index_in_bytes=True, learn_scale=True),
+        IndexBudget(1_000, 10**9, index_in_bytes=False, learn_scale=True, follows=True),
+    ):
+        assert not alone.adopt(2.0) and alone.scale in (1, 4)
+
+
 @pytest.mark.parametrize(
     ("url", "patterns", "allowed"),
     [

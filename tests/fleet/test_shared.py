@@ -18,6 +18,7 @@ from kvroute.config import ConfigError, Settings, StoreURL
 from kvroute.eval.procs import free_port
 from kvroute.fleet.registry import Registry
 from kvroute.fleet.shared import BLOCK_SIZE, DigestIndex, StateStore, block_digests, wire
+from kvroute.fleet.shared.heartbeat import oldest_scale
 from kvroute.fleet.shared.loads import pack
 
 
@@ -438,3 +439,21 @@ def test_a_router_reads_the_others_streams_not_its_own_and_drops_the_dead_once_r
     assert s.reading == {wire.STREAM_B, a}
     s.follow(b)  # b greets again: read on from where it was left, never twice
     assert s.read_args()[b] == b"7-0"
+
+
+def test_the_replicas_scale_is_the_oldest_learned_one_whoever_reads_it() -> None:
+    """Every replica reads the same beats and picks the same bytes per token: the oldest
+    router's (start time, then id) among those that published one; a router that joins
+    later, or one that has not learned yet, changes nothing."""
+    routers = {
+        "b": {"started": 10.0, "bytes_per_token": 3.0},
+        "a": {"started": 10.0, "bytes_per_token": 2.5},  # as old as b: the id decides
+        "c": {"started": 5.0},  # older, but learned nothing yet
+        "d": {"started": 20.0, "bytes_per_token": 1.0},
+        "e": {"bytes_per_token": 1.0},  # no start time: not trusted
+    }
+    assert oldest_scale(routers) == ("a", 2.5)
+    for order in (list(routers), list(reversed(routers))):
+        assert oldest_scale({k: routers[k] for k in order}) == ("a", 2.5)
+    assert oldest_scale({"c": routers["c"]}) is None
+    assert oldest_scale({}) is None

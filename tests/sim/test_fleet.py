@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 
 from kvroute._native import PrefixIndex
 from kvroute.cli import main
+from kvroute.fleet.shared import BLOCK_SIZE
 from kvroute.routing.policies.base import Decision, Policy, RouteRequest
 from kvroute.sim import workloads as wl
 from kvroute.sim.cost import CostModel
@@ -202,6 +204,13 @@ def test_the_index_is_budgeted_as_serve_budgets_it() -> None:
     cfg = FleetConfig(workers=2, capacity_tokens=3000, index_in_bytes=True)
     simulate(prepare(small_gsp(), 16), factory, cfg)
     assert [seen[0].worker_budget(w) for w in names] == [3000, 3000]
+    # Three replicas sharing a store (a third of the answers each): all budget with the
+    # scale the oldest learned, as serve's replicas do through their heartbeats.
+    seen.clear()
+    shared = replace(cfg, router_replicas=3, state_store_delay_s=0.001)
+    simulate(prepare(small_gsp(prompts_per_group=16), 16), factory, shared)
+    whole = 3000 // BLOCK_SIZE * BLOCK_SIZE  # a digest index keeps whole blocks
+    assert [[ix.worker_budget(w) for w in names] for ix in seen] == [[whole, whole]] * 3
 
 
 def test_simulate_budgets_the_index_unless_told_it_is_unbounded() -> None:

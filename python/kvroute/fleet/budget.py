@@ -14,8 +14,11 @@ first, then what the answers show (``observe``: the bytes each prompt was routed
 against the ``usage.prompt_tokens`` its engine reported; a decayed ratio of sums, used
 after ``MIN_SAMPLES`` answers, in steps of 1/8, changed only when it moves by 10% or
 more). English prose runs about 4 bytes per token, code and other scripts otherwise,
-and a budget scaled wrong holds 4x too much or too little. With a shared store the
-scale stays fixed: every replica must set the same budgets. A
+and a budget scaled wrong holds 4x too much or too little. With a shared store every
+replica must set the same budgets (they apply each other's inserts and must evict
+alike), so each learns from its own answers but uses one scale: the one the oldest live
+router that has learned one publishes with its heartbeat (``follows``, ``adopt``;
+``kvroute.fleet.shared.heartbeat``). A
 process-wide cap (``--max-total-tree-size``, in index entries, ~5.3 bytes each measured
 with unique 256-token prompts) bounds the sum: each worker gets at most its share of it.
 ``--max-tree-size`` replaces all of this with one fixed budget per worker.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 from collections.abc import Callable, Iterable
 from typing import Protocol
@@ -42,6 +46,7 @@ MIN_SAMPLES = 32  # answers seen before the learned bytes per token replace the 
 _DECAY = 0.99  # per answer: the ratio follows the last few hundred answers
 _STEP = 8  # the learned scale moves in 1/8 units per token ...
 _MOVE = 0.1  # ... and only when the ratio is 10% off the scale in use
+_MAX_SCALE = 64  # bytes per token at most, learned or read from the store
 
 _CACHE_CONFIG = re.compile(rb"^vllm:cache_config_info\{([^}\n]*)\}", re.MULTILINE)
 _LABEL = re.compile(rb'(\w+)="([^"]*)"')
@@ -89,6 +94,7 @@ class IndexBudget:
         *,
         index_in_bytes: bool,
         learn_scale: bool = False,
+        follows: bool = False,
     ) -> None:
         self.fallback_tokens = fallback_tokens
         self.total_cap = total_cap
@@ -96,6 +102,10 @@ class IndexBudget:
         # Index entries per engine token; learned from answers when ``learn_scale``.
         self.scale: float = BYTES_PER_TOKEN if index_in_bytes else 1
         self.learning = index_in_bytes and learn_scale
+        # With a shared store: ``scale`` is set by ``adopt`` only (the replicas' common
+        # one), and what this router's answers show is ``learned``, for the others.
+        self.follows = follows
+        self.learned: float | None = None  # once MIN_SAMPLES answers came
         self._units = 0.0
         self._tokens = 0.0
         self.samples = 0
@@ -114,8 +124,9 @@ class IndexBudget:
 
     def observe(self, units: int, tokens: int | None) -> bool:
         """One answer: its prompt was routed as ``units`` index entries and its engine
-        counted ``tokens`` (``usage.prompt_tokens``). Moves ``scale`` when learning; the
-        budgets follow at the next ``apply``. True: ``scale`` moved."""
+        counted ``tokens`` (``usage.prompt_tokens``). Moves ``learned`` when learning,
+        and ``scale`` with it unless it ``follows``; the budgets follow at the next
+        ``apply``. True: ``scale`` moved."""
         if not self.learning or units <= 0 or not tokens or tokens <= 0:
             return False
         self._units = self._units * _DECAY + units
@@ -123,10 +134,34 @@ class IndexBudget:
         self.samples += 1
         if self.samples < MIN_SAMPLES:
             return False
-        step = max(1, round(self._units / self._tokens * _STEP)) / _STEP
-        if abs(step - self.scale) < _MOVE * self.scale:
+        step = min(_MAX_SCALE, max(1, round(self._units / self._tokens * _STEP)) / _STEP)
+        was = self.scale if self.learned is None else self.learned
+        if abs(step - was) < _MOVE * was:
+            step = was
+        elif self.follows:
+            log.info("this router's answers: %.3g bytes per token (was %.3g)", step, was)
+        self.learned = step = float(step)
+        if self.follows or step == self.scale:
             return False
         log.info("index budgets: %.3g bytes per token (was %.3g)", step, self.scale)
+        self.scale = step
+        return True
+
+    def adopt(self, scale: float, source: str = "") -> bool:
+        """With a shared store: use ``scale`` (the one the replicas agree on, read from
+        the store: rounded to the learning's steps; ignored unless it is one of them).
+        True: ``scale`` moved."""
+        if not (self.follows and self.in_bytes):
+            return False
+        step = round(scale * _STEP) / _STEP if math.isfinite(scale) else 0.0
+        if not (1 / _STEP <= step <= _MAX_SCALE) or step == self.scale:
+            return False
+        log.info(
+            "index budgets: %.3g bytes per token (was %.3g), as %s learned",
+            step,
+            self.scale,
+            source or "the oldest router",
+        )
         self.scale = step
         return True
 

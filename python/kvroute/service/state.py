@@ -205,8 +205,9 @@ def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) ->
             settings.tree_size_fallback,
             settings.max_total_tree_size,
             index_in_bytes=tokenizer.uses_bytes,
-            # Replicas sharing a store must set the same budgets: a fixed scale.
-            learn_scale=not settings.state_store,
+            learn_scale=True,
+            # Replicas sharing a store must set the same budgets: one scale for all.
+            follows=bool(settings.state_store),
         )
     # Until a worker has its own budget, the fallback (capped) applies.
     size = settings.max_tree_size if budget is None else budget.budget_for("", 1)
@@ -335,6 +336,7 @@ def setup_store(state: RouterState) -> None:
         stream_len=s.state_store_stream_len,
         work=state.work,
         keying=state.tokenizer.keying,
+        budget=state.budget,
     )
     state.store = store
     state.registry.peer_load = store.peer_load

@@ -202,12 +202,22 @@ def _routers(snapshot: dict[str, Any]) -> str:
             return str(index)
         return f"{index} (differs: its decisions are not applied here)"
 
+    def learned(r: dict[str, Any]) -> str:
+        per = r.get("bytes_per_token")
+        return "-" if per is None else f"{per:g}"
+
     rows = [
-        [r.get("id", "?") + (" (this one)" if r.get("self") else ""), r.get("url", "?"), keyed(r)]
+        [
+            r.get("id", "?") + (" (this one)" if r.get("self") else ""),
+            r.get("url", "?"),
+            keyed(r),
+            learned(r),
+        ]
         for r in routers
     ]
     head = f"<h2>Routers sharing state ({len(rows)} live)</h2>\n"
-    return head + _table(["id", "url", "index keyed on"], rows)
+    cols = ["id", "url", "index keyed on", "bytes per token its answers show"]
+    return head + _table(cols, rows)
 
 
 def _per_token(index: dict[str, Any]) -> str:

@@ -30,7 +30,9 @@ What an approximate router cannot see, modelled so precise mode can be judged on
   changes (requests in flight, those waiting for a first byte, their uncached tokens),
   which the others add to their own, as ``kvroute.fleet.shared.loads`` publishes and
   applies it. Heartbeats (``heartbeat_s``) only expire a crashed router's load there:
-  no replica crashes here, so they change nothing.
+  no replica crashes here, so they change nothing. Routing on bytes with budgets from
+  the engines, each replica learns its bytes per token and all budget with the oldest
+  one's (replica 0's, as soon as it learned one; serve publishes it with the heartbeat).
 
 Work (``kvroute.routing.load``): each replica keeps its own ``LoadModel``, shared with
 its policy (``min_ttft``, ``cache_aware`` on the work metric), and reserves each routed
@@ -226,7 +228,8 @@ class RouterTier:
             TREE_SIZE_FALLBACK,
             MAX_TOTAL_TREE_SIZE,
             index_in_bytes=self._in_bytes,
-            learn_scale=not self.shared,
+            learn_scale=True,
+            follows=self.shared,
         )
         plan.reported.update(zip(self.names, budgets, strict=True))
         index = kind(plan.budget_for("", 1))
@@ -332,9 +335,20 @@ class RouterTier:
             plan, index = budgeted
             if plan.observe(ticket.prompt_tokens, ticket.prompt_tokens):
                 plan.apply(index, self.names)
+            if self.shared:
+                self._agree_scale()
         self.loads[k][decision.worker] -= 1
         if decision.ticket is not None:
             self.policies[k].on_done(decision)
+
+    def _agree_scale(self) -> None:
+        """With a store: every replica budgets with the oldest one's learned scale."""
+        oldest = next((p[0].learned for p in self._plans if p and p[0].learned), None)
+        if oldest is None:
+            return
+        for budgeted in self._plans:
+            if budgeted is not None and budgeted[0].adopt(oldest):
+                budgeted[0].apply(budgeted[1], self.names)
 
     def poll(self, engine: Sequence[int], waiting: Sequence[int] | None = None) -> None:
         """Each engine's running + waiting count (per worker, in ``names`` order) as

@@ -24,6 +24,7 @@ that connects later follows it by its greeting or its stream, ``streams``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -32,6 +33,8 @@ import redis.asyncio as aioredis
 
 import kvroute.fleet.shared.wire as wire
 from kvroute.fleet.shared.streams import STREAM_TTL_MS
+
+_SCALE = wire.SCALE_FIELD.encode()
 
 
 class Heartbeat:
@@ -53,14 +56,22 @@ class Heartbeat:
         self._stamps.clear()
 
     async def beat(
-        self, client: aioredis.Redis, mine: Mapping[str, int], also: Iterable[str] = ()
+        self,
+        client: aioredis.Redis,
+        mine: Mapping[str, int],
+        also: Iterable[str] = (),
+        scale: float | None = None,
     ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, int]]]:
-        """Write this router's beat (``mine``: its requests in flight per worker); return
-        (live routers by id, this one included; each other router's in-flight requests
-        per worker, by id). ``also``: ids to read whether listed or not (routers this one
-        follows, e.g. found by their streams)."""
+        """Write this router's beat (``mine``: its requests in flight per worker;
+        ``scale``: the bytes per token its answers show, once learned); return (live
+        routers by id, this one included, each with its ``bytes_per_token`` when it
+        published one; each other router's in-flight requests per worker, by id).
+        ``also``: ids to read whether listed or not (routers this one follows, e.g.
+        found by their streams)."""
         now = wire.now_ms()
         fields: dict[Any, Any] = {"info": self.info}  # redis-py types its keys invariantly
+        if scale is not None:
+            fields[wire.SCALE_FIELD] = repr(scale)
         for url, n in mine.items():
             fields[wire.LOAD_FIELD + url] = n
         read = sorted(self._live.union(also) - {self.id})
@@ -91,17 +102,47 @@ class Heartbeat:
                 pipe.hgetall(wire.ROUTER + rid)
             rows.update(zip(changed, await pipe.execute(), strict=True))
         routers: dict[str, dict[str, Any]] = {self.id: self._mine}
+        if scale is not None:
+            routers[self.id] = self._mine | {"bytes_per_token": scale}
         load: dict[str, dict[str, int]] = {}
         for rid, row in rows.items():
             if not row:
                 continue  # expired: crashed, stopped or cut off
-            routers[rid] = _info(rid, row.get(b"info", b"{}"))
+            routers[rid] = info = _info(rid, row.get(b"info", b"{}"))
+            info.pop("bytes_per_token", None)  # only ever the beat's own field
+            theirs_scale = _float(row.get(_SCALE))
+            if theirs_scale is not None:
+                info["bytes_per_token"] = theirs_scale
             theirs = load[rid] = {}
             for f, v in row.items():
                 if f.startswith(b"l:") and v.isdigit():
                     theirs[f[2:].decode()] = int(v)
         self._live = set(load)
         return routers, load
+
+
+def _float(raw: bytes | None) -> float | None:
+    try:
+        value = float(raw) if raw is not None else None
+    except ValueError:
+        return None
+    return value if value is not None and math.isfinite(value) and value > 0 else None
+
+
+def oldest_scale(routers: Mapping[str, Mapping[str, Any]]) -> tuple[str, float] | None:
+    """The bytes per token the replicas budget with: the one the oldest live router
+    that learned one published (by its start time, then id: the same answer on every
+    replica that read the same beats; a router joining later never changes it)."""
+    best: tuple[float, str, float] | None = None
+    for rid, info in routers.items():
+        scale = info.get("bytes_per_token")
+        started = info.get("started")
+        if not isinstance(scale, float) or not isinstance(started, (int, float)):
+            continue
+        key = (float(started), rid, scale)
+        if best is None or key < best:
+            best = key
+    return None if best is None else (best[1], best[2])
 
 
 def _info(rid: str, raw: bytes) -> dict[str, Any]:

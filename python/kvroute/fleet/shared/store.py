@@ -40,10 +40,11 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 import kvroute.fleet.shared.wire as wire
+from kvroute.fleet.budget import IndexBudget
 from kvroute.fleet.registry import Registry
 from kvroute.fleet.shared.applying import Applier, StoreCounters
 from kvroute.fleet.shared.digests import DigestIndex
-from kvroute.fleet.shared.heartbeat import Heartbeat
+from kvroute.fleet.shared.heartbeat import Heartbeat, oldest_scale
 from kvroute.fleet.shared.loads import SharedLoad
 from kvroute.fleet.shared.members import Membership
 from kvroute.fleet.shared.publishing import Publisher, unanswered
@@ -90,9 +91,13 @@ class StateStore(Publisher, Applier):
         buffer_len: int = 10_000,
         work: LoadModel | None = None,
         keying: str = "",
+        budget: IndexBudget | None = None,
     ) -> None:
         self.url = url
         self.registry = registry
+        # The index budgets (bytes mode): the bytes per token this router learns are
+        # published with its heartbeat; the oldest router's are the ones all use.
+        self.budget = budget if budget is not None and budget.follows else None
         self.index = index
         self.id = os.urandom(6).hex()
         self._rid = self.id.encode()
@@ -314,8 +319,13 @@ class StateStore(Publisher, Applier):
 
     async def _beat(self, client: aioredis.Redis) -> None:
         mine = {url: w.in_flight for url, w in self.registry.workers.items() if w.in_flight > 0}
-        routers, load = await self._beats.beat(client, mine, self.streams.routers())
+        budget = self.budget
+        learned = None if budget is None else budget.learned
+        routers, load = await self._beats.beat(client, mine, self.streams.routers(), learned)
         self.routers = routers
+        if budget is not None and (agreed := oldest_scale(routers)) is not None:
+            rid, scale = agreed
+            budget.adopt(scale, "this router" if rid == self.id else f"router {rid}")
         self.streams.follow_routers(routers)
         if self.shared_load is not None:  # load as published when it changed (``loads``)
             self.shared_load.keep({rid.encode() for rid in routers})

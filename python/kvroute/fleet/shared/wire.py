@@ -61,6 +61,7 @@ WORKERS = PREFIX + "workers"
 ROUTER = PREFIX + "router:"
 ROUTERS = PREFIX + "routers"
 LOAD_FIELD = "l:"
+SCALE_FIELD = "bpt"  # a heartbeat's learned bytes per engine token (``fleet.budget``)
 
 INSERT, ADDED, REMOVED, CLEARED, LOAD, HELLO = b"i", b"a", b"d", b"c", b"p", b"h"
 KEYING = b"x"
