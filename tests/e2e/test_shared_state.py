@@ -551,10 +551,11 @@ def test_replicas_budget_with_the_bytes_per_token_one_of_them_learned(
 ) -> None:
     """Routing on bytes, a router learns the bytes per engine token from the answers; with
     a store every replica budgets with the same scale (the oldest router's that learned
-    one, published with its heartbeat), so one that never saw an answer follows."""
+    one, published with its heartbeat), so one that never saw an answer follows, at its
+    next heartbeat (not at the budget loop's next round, a health interval away)."""
     sim = start_sim_worker(tmp_path, "--capacity-tokens", "20000")  # a token per byte
     processes.append(sim)
-    rs = routers(2, [sim.url], redis_server.url)
+    rs = routers(2, [sim.url], redis_server.url, "--health-check-interval-secs", "120")
     assert wait_until(lambda: all(live(r) == 2 for r in rs))
 
     def budget(r: Server) -> int:

@@ -325,7 +325,11 @@ class StateStore(Publisher, Applier):
         self.routers = routers
         if budget is not None and (agreed := oldest_scale(routers)) is not None:
             rid, scale = agreed
-            budget.adopt(scale, "this router" if rid == self.id else f"router {rid}")
+            moved = budget.adopt(scale, "this router" if rid == self.id else f"router {rid}")
+            if moved and self.index is not None:
+                # At once, not at the budget loop's next round (up to a health interval
+                # later): the replicas' indexes differ only while their scales do.
+                budget.apply(self.index, list(self.registry.workers))
         self.streams.follow_routers(routers)
         if self.shared_load is not None:  # load as published when it changed (``loads``)
             self.shared_load.keep({rid.encode() for rid in routers})
