@@ -6,7 +6,8 @@ uvicorn would give it, over ``router_overhead.py``'s 2,029-token chat bodies. Un
 valgrind's callgrind (``--instructions``) counting runs only around the measured loop,
 so the count is the handler's own work (Python, C extensions; user space), steady
 enough to tell a change of a few thousand instructions per request apart on a shared
-machine where CPU time moves by ±15%. Without it, CPU time per request is printed.
+machine where CPU time moves by ±15% (tokenized: up to 7% from one process to the next,
+so ``--processes N`` counts N and reports the median). Without it, CPU time per request is printed.
 
 ``--interleave P1,P2,...`` (kvroute policies): CPU time of several apps built in
 this one process, run in alternating batches of ``--requests`` for ``--rounds`` rounds,
@@ -15,6 +16,7 @@ so a busy machine slows them alike; the median and best round of each are printe
 Usage:
     .venv/bin/python bench/handler_instructions.py --target kvroute --policy round_robin
     .venv/bin/python bench/handler_instructions.py --target floor --instructions
+    .venv/bin/python bench/handler_instructions.py --tokenizer qwen3 --instructions --processes 5
     .venv/bin/python bench/handler_instructions.py --interleave cache_aware,round_robin
 
 The kvroute imported is this checkout's (``router_overhead`` puts its ``python/`` first);
@@ -109,6 +111,28 @@ def _app(target: str, urls: list[str], policy: str, tokenizer: str | None = None
     return create_app(Settings(worker_urls=urls, policy=policy, tokenizer=tokenizer).validate())
 
 
+def _callgrind(argv: list[str], cache_sim: bool) -> dict[str, int]:
+    """Run ``argv`` (this script, counting) under callgrind once; its event totals (Ir;
+    with ``cache_sim`` also Dr Dw I1mr D1mr D1mw ILmr DLmr DLmw), as named by the header
+    line above the totals."""
+    out = Path(tempfile.mkdtemp()) / "callgrind.out"
+    vg = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
+    if cache_sim:
+        vg.append("--cache-sim=yes")
+    subprocess.run([*vg, *argv], check=True, capture_output=True)
+    totals: dict[str, int] = {}
+    for f in out.parent.glob("callgrind.out*"):
+        text = subprocess.run(["callgrind_annotate", str(f)], capture_output=True, text=True)
+        lines = text.stdout.splitlines()
+        for i, line in enumerate(lines):
+            if "PROGRAM TOTALS" in line:
+                names = lines[i - 2].split()
+                values = re.findall(r"([\d,]+) \(", line) or line.split()[:1]
+                for name, v in zip(names, values, strict=False):
+                    totals[name] = totals.get(name, 0) + int(v.replace(",", ""))
+    return totals
+
+
 def _counting(on: bool) -> None:
     """Switch callgrind's counting in this process (blocks while callgrind switches)."""
     flag = "on" if on else "off"
@@ -186,40 +210,39 @@ def main() -> int:
     )
     ap.add_argument("--interleave", help="kvroute policies, comma-separated: CPU of each")
     ap.add_argument("--rounds", type=int, default=10, help="with --interleave")
+    ap.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --instructions: count N processes, one after the other, and report the "
+        "median (tokenized counts move by up to 7%% from one process to the next)",
+    )
     args = ap.parse_args()
     if args.instructions and not args.counting:
         if shutil.which("valgrind") is None:
             raise SystemExit("valgrind not installed (apt-get install valgrind)")
-        out = Path(tempfile.mkdtemp()) / "callgrind.out"
         argv = [sys.executable, __file__, "--target", args.target, "--policy", args.policy]
         if args.tokenizer:
             argv += ["--tokenizer", args.tokenizer]
         if args.stream_chunks:
             argv += ["--stream-chunks", str(args.stream_chunks)]
         argv += ["--requests", str(args.requests), "--instructions", "--counting"]
-        vg = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
-        if args.cache_sim:
-            vg.append("--cache-sim=yes")
-        subprocess.run([*vg, *argv], check=True, capture_output=True)
-        # Per event (Ir; with --cache-sim also Dr Dw I1mr D1mr D1mw ILmr DLmr DLmw), as
-        # named by the header line above the totals.
-        totals: dict[str, int] = {}
-        for f in out.parent.glob("callgrind.out*"):
-            text = subprocess.run(["callgrind_annotate", str(f)], capture_output=True, text=True)
-            lines = text.stdout.splitlines()
-            for i, line in enumerate(lines):
-                if "PROGRAM TOTALS" in line:
-                    names = lines[i - 2].split()
-                    values = re.findall(r"([\d,]+) \(", line) or line.split()[:1]
-                    for name, v in zip(names, values, strict=False):
-                        totals[name] = totals.get(name, 0) + int(v.replace(",", ""))
+        runs = [_callgrind(argv, args.cache_sim) for _ in range(args.processes)]
+        # The run of the median instruction count stands for the build.
+        runs.sort(key=lambda t: t.get("Ir", 0))
+        totals = runs[len(runs) // 2]
         total = totals.get("Ir", 0)
         what = args.target if args.target == "floor" else f"kvroute {args.policy}"
         if args.tokenizer and args.target != "floor":
             what += " (tokenized)"
         if args.stream_chunks:
             what += f", streaming {args.stream_chunks} events"
-        print(f"{what}: {total / args.requests:,.0f} instructions per request (in process)")
+        each = ""
+        if len(runs) > 1:
+            counts = ", ".join(f"{t.get('Ir', 0) / args.requests:,.0f}" for t in runs)
+            each = f"; median of {len(runs)} processes: {counts}"
+        print(f"{what}: {total / args.requests:,.0f} instructions per request (in process{each})")
         if args.cache_sim:
             d1 = (totals.get("D1mr", 0) + totals.get("D1mw", 0)) / args.requests
             ll = (totals.get("DLmr", 0) + totals.get("DLmw", 0)) / args.requests
