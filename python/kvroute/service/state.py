@@ -8,6 +8,7 @@ both read it; neither imports the other through it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -69,10 +70,11 @@ class RouterState:
     draining: bool = False
     recorder: Any = None  # kvroute.service.recorder.TraceRecorder with --record
 
-    @property
+    @functools.cached_property
     def byte_tokens(self) -> bool:
         """The index holds bytes (``PrefixIndex(byte_tokens=True)``): requests' tokens
-        are given to it as ``kvroute.routing.tokenization.byte_tokens`` makes them."""
+        are given to it as ``kvroute.routing.tokenization.byte_tokens`` makes them. Read
+        on every request; the index is built once, so it is asked once."""
         return isinstance(self.index, PrefixIndex) and self.index.byte_tokens
 
     async def use_transport(self, transport: httpx.AsyncBaseTransport) -> None:

@@ -122,11 +122,14 @@ class Heartbeat:
 
 
 def _float(raw: bytes | None) -> float | None:
+    """A positive finite number from a hash field, or None."""
+    if raw is None:
+        return None
     try:
-        value = float(raw) if raw is not None else None
+        value = float(raw)
     except ValueError:
         return None
-    return value if value is not None and math.isfinite(value) and value > 0 else None
+    return value if math.isfinite(value) and value > 0 else None
 
 
 def oldest_scale(routers: Mapping[str, Mapping[str, Any]]) -> tuple[str, float] | None:
