@@ -53,6 +53,12 @@ class PrefixIndex:
         """The per-worker budget, or None when unbounded."""
 
     @property
+    def evicted_tokens(self) -> int:
+        """Tokens evicted by budget since creation (or the last ``clear``): 0 while no
+        budget has bound (``stats()["evicted_tokens"]`` without its walk over the
+        workers)."""
+
+    @property
     def byte_tokens(self) -> bool:
         """Whether the tokens are bytes, stored one byte each."""
 

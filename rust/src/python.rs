@@ -412,6 +412,13 @@ impl PyPrefixIndex {
         with_tree!(self, t => t.read().max_tokens_per_worker())
     }
 
+    /// Tokens evicted by budget since creation (or the last `clear`): zero while no
+    /// budget has bound.
+    #[getter]
+    fn evicted_tokens(&self) -> u64 {
+        with_tree!(self, t => t.read().evicted_tokens())
+    }
+
     /// Whether tokens are bytes (0-255), stored one byte each.
     #[getter]
     fn byte_tokens(&self) -> bool {

@@ -204,6 +204,12 @@ impl<T: Symbol> Tree<T> {
         self.budget
     }
 
+    /// Tokens evicted by budget since creation (or the last `clear`); `stats` without
+    /// its walk over the workers.
+    pub fn evicted_tokens(&self) -> u64 {
+        self.evicted_tokens
+    }
+
     // ----------------------------------------------------------------- workers
 
     fn worker_id(&self, name: &str) -> Option<u32> {

@@ -232,10 +232,13 @@ def test_budget_property_and_stats() -> None:
     idx.insert("a", list(range(100, 108)))
     stats = idx.stats()
     assert idx.cached_tokens("a") == 10
-    assert stats["evicted_tokens"] == 6
+    assert stats["evicted_tokens"] == 6 == idx.evicted_tokens
     assert stats["cached_tokens"] == 10
     assert stats["memory_bytes"] > 0
     assert "PrefixIndex(" in repr(idx)
+    assert PrefixIndex().evicted_tokens == 0
+    idx.clear()
+    assert idx.evicted_tokens == 0
 
 
 def test_clear_and_remove() -> None:

@@ -202,3 +202,90 @@ def test_a_long_match_is_kept_after_many_short_matches_an_engine_cannot_cache(po
     model.reserve("a", 3000, 10, now=200.0)
     d = pol.select(RouteRequest(prompt), loads)  # type: ignore[attr-defined]
     assert (d.worker, d.reason, d.matched_tokens) == ("a", "cache_hit", 3800)
+
+
+def budgeted(budget: int, *, byte_tokens: bool = False, policy: str = "cache_aware") -> object:
+    pol = create_policy(
+        policy, PrefixIndex(budget, byte_tokens=byte_tokens), seed=0, load_metric="work"
+    )
+    for w in WORKERS:
+        pol.on_worker_added(w)
+    return pol
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "min_ttft"])
+def test_a_prompt_in_flight_is_matched_where_the_budget_evicted_it(policy: str) -> None:
+    """The index's budget forgets prompts in the order they were routed; an engine never
+    evicts a running request's blocks. A long prompt still in flight on ``a``, pushed out
+    of the index by the prompts routed to ``a`` after it, is still held there: the next
+    request extending it goes to ``a`` as a hit (pending prompts), not cold elsewhere."""
+    pol = budgeted(3000, policy=policy)
+    loads = dict.fromkeys(WORKERS, 0)
+    first = tokens(1, 2000)
+    pol.index.insert("c", tokens(9, 3500))  # type: ignore[attr-defined]  # the budget has bound
+    assert pol.index.evicted_tokens > 0  # type: ignore[attr-defined]
+    d1 = pol.select(RouteRequest(first), loads)  # type: ignore[attr-defined]
+    home = d1.worker  # wherever it went, it is in flight there
+    assert d1.ticket is not None
+    loads[home] += 1
+    # Prompts routed to the same worker after it push it out of the index.
+    for i in range(2):
+        pol.index.insert(home, tokens(20 + i, 1500))  # type: ignore[attr-defined]
+    assert pol.index.match(first).get(home, 0) == 0  # type: ignore[attr-defined]
+    follow = first + tokens(2, 300)
+    d2 = pol.select(RouteRequest(follow), loads)  # type: ignore[attr-defined]
+    assert (d2.worker, d2.reason, d2.matched_tokens) == (home, "cache_hit", 2000)
+    assert d2.cached_tokens == 2000  # the prediction reads it too
+    # Ended, the first prompt is no longer pending: the index alone decides again.
+    pol.on_done(d1)  # type: ignore[attr-defined]
+    pol.on_done(d2)  # type: ignore[attr-defined]
+    for i in range(2):
+        pol.index.insert(home, tokens(30 + i, 1500))  # type: ignore[attr-defined]
+    d3 = pol.select(RouteRequest(first + tokens(3, 300)), loads)  # type: ignore[attr-defined]
+    assert d3.reason == "cache_miss"
+
+
+def test_without_pending_prompts_the_evicted_prompt_in_flight_is_a_miss() -> None:
+    """The same as above with ``pending_prompts`` off: the request is taken for a miss
+    (the test above fails without the pending prompts)."""
+    pol = budgeted(3000)
+    pol.pending_prompts = False  # type: ignore[attr-defined]
+    loads = dict.fromkeys(WORKERS, 0)
+    first = tokens(1, 2000)
+    pol.index.insert("c", tokens(9, 3500))  # type: ignore[attr-defined]
+    home = pol.select(RouteRequest(first), loads).worker  # type: ignore[attr-defined]
+    loads[home] += 1
+    for i in range(2):
+        pol.index.insert(home, tokens(20 + i, 1500))  # type: ignore[attr-defined]
+    d2 = pol.select(RouteRequest(first + tokens(2, 300)), loads)  # type: ignore[attr-defined]
+    assert d2.reason == "cache_miss" and d2.ticket is None
+
+
+def test_nothing_is_kept_pending_while_the_budget_has_not_evicted() -> None:
+    """Before any eviction every routed prompt is in the index: no ticket, no
+    ``on_done`` work (serve calls it only for decisions that carry a ticket). The
+    decision whose insert first evicts is kept, and every one after it."""
+    pol = budgeted(3000)
+    loads = dict.fromkeys(WORKERS, 0)
+    d = pol.select(RouteRequest(tokens(1, 2000)), loads)  # type: ignore[attr-defined]
+    assert d.ticket is None and pol.index.evicted_tokens == 0  # type: ignore[attr-defined]
+    d = pol.select(RouteRequest(tokens(1, 2000) + tokens(2, 1500)), loads)  # type: ignore[attr-defined]
+    assert pol.index.evicted_tokens > 0  # type: ignore[attr-defined]
+    assert d.ticket is not None
+    d = pol.select(RouteRequest(tokens(4, 100)), loads)  # type: ignore[attr-defined]
+    assert d.ticket is not None
+
+
+def test_pending_prompts_in_bytes_mode() -> None:
+    """Without a tokenizer the index and the pending prompts are byte indexes alike."""
+    pol = budgeted(3000, byte_tokens=True)
+    loads = dict.fromkeys(WORKERS, 0)
+    first = bytes(range(32, 127)) * 21  # 1,995 bytes
+    pol.index.insert("c", b"x" * 3500)  # type: ignore[attr-defined]
+    d1 = pol.select(RouteRequest(first), loads)  # type: ignore[attr-defined]
+    home = d1.worker
+    loads[home] += 1
+    for i in range(2):
+        pol.index.insert(home, bytes([65 + i]) * 1500)  # type: ignore[attr-defined]
+    d2 = pol.select(RouteRequest(first + b"next turn"), loads)  # type: ignore[attr-defined]
+    assert (d2.worker, d2.reason, d2.matched_tokens) == (home, "cache_hit", len(first))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -338,3 +338,32 @@ def test_precise_mode_routes_on_what_caches_hold(capsys: pytest.CaptureFixture[s
     assert "| cache_aware+events |" in capsys.readouterr().out
     with pytest.raises(ValueError, match="precise mode"):
         simulate(prep, "round_robin+events", cfg)
+
+
+def test_prompts_in_flight_keep_their_hits_where_the_index_budget_binds() -> None:
+    """Conversations longer than the caches hold (4 workers of 20,000 tokens, 24
+    conversations of up to ~6,000 tokens) whose next turn arrives while the previous one
+    still decodes: the index's budget forgets prompts the engines still run, and without
+    the pending prompts those turns were taken for misses and prefilled cold elsewhere.
+    Every pending prompt is gone once its request ended, and no work stays reserved."""
+    from kvroute.routing.policies import create_policy
+
+    reqs = wl.multiturn(24, 6, 2000, 400, 400, sigma=1.0, seed=3, arrivals="poisson", rate=4.0)
+    prep = prepare(reqs, 16)
+    made: list[Policy] = []
+
+    def factory(pending: bool) -> Callable[[PrefixIndex], Policy]:
+        def make(index: PrefixIndex) -> Policy:
+            made.append(create_policy("cache_aware", index, seed=0, pending_prompts=pending))
+            return made[-1]
+
+        return make
+
+    cfg = FleetConfig(workers=4, capacity_tokens=20_000, learn_capacity=True)
+    off = simulate(prep, factory(False), cfg)
+    on = simulate(prep, factory(True), cfg)
+    assert on.hit_rate >= off.hit_rate + 0.1
+    assert on.ttft_p50 < off.ttft_p50
+    assert made[-1].index.evicted_tokens > 0  # type: ignore[attr-defined]
+    assert made[-1]._pending.tickets() == []  # type: ignore[attr-defined]
+    assert on.extra["final_work"] == 0 and on.extra["final_inflight"] == 0

@@ -100,6 +100,11 @@ class DigestIndex:
         keys = self.tree.max_tokens_per_worker
         return None if keys is None else self._tokens(keys)
 
+    @property
+    def evicted_tokens(self) -> int:
+        """Tokens evicted by budget (whole blocks), as ``PrefixIndex.evicted_tokens``."""
+        return self._tokens(self.tree.evicted_tokens)
+
     def worker_budget(self, worker: str) -> int | None:
         """The budget that applies to ``worker`` in tokens: its own, else the index's."""
         keys = self.tree.worker_budget(worker)

@@ -33,7 +33,9 @@ def create_policy(name: str, index: PrefixIndex, **settings: Any) -> Policy:
     ``bounded_load_factor`` (1.25), ``worker_capacity`` (None: no saturation guard),
     ``seed`` (None: random), ``load_metric`` ("work"; cache_aware's "least loaded":
     predicted wait, or "requests": in-flight counts), ``router_temperature`` (0.0;
-    min_ttft's softmax temperature in seconds).
+    min_ttft's softmax temperature in seconds), ``pending_prompts`` (True; min_ttft and cache_aware
+    on the work metric: prompts in flight are matched where the index's budget evicted
+    them).
     """
     if name == "cache_aware":
         from kvroute.routing.policies.cache_aware import CacheAware
@@ -45,6 +47,7 @@ def create_policy(name: str, index: PrefixIndex, **settings: Any) -> Policy:
             balance_rel_threshold=settings.get("balance_rel_threshold", 1.5),
             worker_capacity=settings.get("worker_capacity"),
             load_metric=settings.get("load_metric", "work"),
+            pending_prompts=settings.get("pending_prompts", True),
         )
     if name == "min_ttft":
         from kvroute.routing.policies.min_ttft import MinTtft
@@ -53,6 +56,7 @@ def create_policy(name: str, index: PrefixIndex, **settings: Any) -> Policy:
             index,
             temperature=settings.get("router_temperature", 0.0),
             seed=settings.get("seed"),
+            pending_prompts=settings.get("pending_prompts", True),
         )
     if name == "round_robin":
         from kvroute.routing.policies.round_robin import RoundRobin

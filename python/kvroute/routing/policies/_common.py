@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from math import isfinite
 
+from kvroute._native import PrefixIndex, TokenIds
 from kvroute.routing.policies.base import NoWorkerError
 
 # Predicted times closer than this are a tie: the model is not that precise, and a
@@ -99,3 +100,54 @@ class TieBreaker:
                 w: turn for w, turn in last.items() if w in scores and scores[w] - best <= tie
             }
         return choice
+
+
+class PendingPrompts:
+    """Prompts routed and not yet ended, each under its own ticket ``<worker>\\0<n>`` in
+    an unbounded index of the routing index's kind (bytes or token IDs): what an engine
+    holds whatever the router's budgeted index forgot, since it never evicts the blocks
+    of a request it is running (``cache_aware``'s module doc). Memory: the prompts in
+    flight, shared prefixes once."""
+
+    __slots__ = ("_index", "_n")
+
+    def __init__(self, byte_tokens: bool = False) -> None:
+        self._index = PrefixIndex(None, byte_tokens=byte_tokens)
+        self._n = 0
+
+    def add(self, worker: str, tokens: Sequence[int] | TokenIds | bytes) -> str:
+        """Keep ``tokens`` as in flight on ``worker``; the ticket to ``end`` it with."""
+        self._n += 1
+        ticket = f"{worker}\0{self._n}"
+        self._index.insert(ticket, tokens)
+        return ticket
+
+    def end(self, ticket: str) -> None:
+        self._index.remove_worker(ticket)
+
+    def per_worker(self, tokens: Sequence[int] | TokenIds | bytes) -> dict[str, int]:
+        """Per worker, the longest prefix of ``tokens`` a prompt in flight there shares."""
+        out: dict[str, int] = {}
+        for ticket, n in self._index.match(tokens).items():
+            w = ticket.partition("\0")[0]
+            if n > out.get(w, 0):
+                out[w] = n
+        return out
+
+    def raise_matches(
+        self, matches: Mapping[str, int], tokens: Sequence[int] | TokenIds | bytes
+    ) -> dict[str, int] | None:
+        """``matches`` (the index's, per worker) with each raised to what is in flight
+        there, or None when nothing in flight raises any."""
+        pending = self.per_worker(tokens)
+        if not any(n > matches.get(w, 0) for w, n in pending.items()):
+            return None
+        per = dict(matches)
+        for w, n in pending.items():
+            if n > per.get(w, 0):
+                per[w] = n
+        return per
+
+    def tickets(self) -> list[str]:
+        """The tickets not yet ended (for tests and checks)."""
+        return self._index.workers()

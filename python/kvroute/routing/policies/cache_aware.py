@@ -34,6 +34,19 @@ the next request with the same prefix would miss it. Until a request ends (the r
 calls ``on_done``), its prompt is also kept in a small index of pending prompts, and a
 trusted worker's match is the longer of what it reports and what is pending on it.
 
+Prompts in flight (work metric). The index's budget is each engine's KV capacity
+(``kvroute.fleet.budget``) and it forgets prompts in the order they were routed, but an
+engine never evicts the blocks of a request it is running and stores a queued one's
+when it admits it. Where the budget binds (more prompts than the caches hold), the
+index so forgot prompts the engine still held: the next turn of a conversation whose
+previous turn was still decoding, or a request sharing a long prefix with one still
+running, was taken for a miss and prefilled cold elsewhere. Once the index has evicted
+anything (``evicted_tokens``), each routed prompt is also kept in the index of pending
+prompts until its request ends (``on_done``), and a worker's match, for the rule and for
+the predictions alike, is the longer of the two. Before any eviction every routed
+prompt is still in the index and nothing more is kept. ``pending_prompts=False`` turns
+it off; ``--load-metric requests`` keeps the rule's index alone.
+
 Load metric (``load_metric``, ``--load-metric``). ``requests`` is the rule above,
 exactly, ties rotating with one cursor as earlier versions did. ``work`` (default) keeps
 the two thresholds on request counts, as SGLang compares them, but wherever a
@@ -74,7 +87,7 @@ from typing import Protocol, TypeAlias
 
 from kvroute._native import PrefixIndex, TokenIds
 from kvroute.routing.load import LoadModel, Predictions
-from kvroute.routing.policies._common import TieBreaker, tie_window
+from kvroute.routing.policies._common import PendingPrompts, TieBreaker, tie_window
 from kvroute.routing.policies.base import Decision, NoWorkerError, Policy, Reason, RouteRequest
 
 # A prompt as the index takes it: as routed, or as its lookup converted it.
@@ -99,6 +112,7 @@ class CacheAware(Policy):
         balance_rel_threshold: float = 1.5,
         worker_capacity: int | None = None,
         load_metric: str = "work",
+        pending_prompts: bool = True,
     ) -> None:
         if load_metric not in ("requests", "work"):
             raise ValueError("load metric must be requests or work")
@@ -118,9 +132,11 @@ class CacheAware(Policy):
         self.others: Mapping[str, int] = {}
         self._ties = TieBreaker(per_worker=load_metric != "requests")
         self.precise: PreciseSource | None = None
-        # Prompts routed and not yet ended, one pseudo-worker "<worker>\0<n>" each.
-        self._pending = PrefixIndex(None)
-        self._tickets = 0
+        # Prompts routed and not yet ended, one pseudo-worker "<worker>\0<n>" each: in
+        # precise mode, and on the work metric once the index's budget has evicted
+        # (``pending_prompts``; module doc).
+        self._pending = PendingPrompts(byte_tokens=getattr(index, "byte_tokens", False))
+        self.pending_prompts = pending_prompts and load_metric == "work"
 
     def _precise_match(
         self, tokens: Sequence[int], loads: Mapping[str, int], approx: dict[str, int] | None
@@ -135,8 +151,7 @@ class CacheAware(Policy):
         if approx is None:
             approx = self.index.match(tokens)
         per = {w: (exact.get(w, 0) if w in trusted else approx.get(w, 0)) for w in loads}
-        for ticket, n in self._pending.match(tokens).items():
-            w = ticket.partition("\0")[0]
+        for w, n in self._pending.per_worker(tokens).items():
             if w in trusted and n > per.get(w, -1) and w in loads:
                 per[w] = n
         best = max(per.values(), default=0)
@@ -154,15 +169,20 @@ class CacheAware(Policy):
         # tokens it converted (``ids``) go to the insert as they are.
         looked: tuple[dict[str, int], int, list[str], Tokens] | None = None
         ids: Tokens = tokens
+        track = self.precise is not None
         if self.work is not None:
             if n:
                 looked = self.index.lookup(tokens)
+                if not track and self.pending_prompts and self.index.evicted_tokens:
+                    track = True
+                    looked = self._with_pending(looked)
                 matches, ids = looked[0], looked[3]
             else:
                 matches = {}
         if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
             worker = self._least(loads, None, self._predict(loads, n, matches))
-            return self._record(self._decision(worker, "imbalance", 0, matches), n, ids)
+            decision = self._decision(worker, "imbalance", 0, matches)
+            return self._record(decision, n, ids, track)
         approx = looked[0] if looked is not None else None
         precise = (
             self._precise_match(tokens, loads, approx) if n and self.precise is not None else None
@@ -209,7 +229,19 @@ class CacheAware(Policy):
             matched = 0 if worker not in healthy else matched
         decision = self._decision(worker, reason, matched, matches)
         decision.precise = precise is not None
-        return self._record(decision, n, ids)
+        return self._record(decision, n, ids, track)
+
+    def _with_pending(
+        self, looked: tuple[dict[str, int], int, list[str], Tokens]
+    ) -> tuple[dict[str, int], int, list[str], Tokens]:
+        """The index's answer (``lookup``) with each worker's match raised to the longest
+        prompt in flight there that shares the request's prefix: what the budget evicted
+        from the index but the engine still holds (module doc)."""
+        per = self._pending.raise_matches(looked[0], looked[3])
+        if per is None:
+            return looked
+        best = max(per.values())
+        return per, best, [w for w, m in per.items() if m == best], looked[3]
 
     def _decision(
         self, worker: str, reason: Reason, matched: int, matches: dict[str, int] | None
@@ -272,20 +304,19 @@ class CacheAware(Policy):
             return None
         return alt
 
-    def _record(self, decision: Decision, n: int, tokens: Tokens) -> Decision:
-        """The chosen worker now holds ``tokens``, ``n`` of them (predicted; pending in
-        precise mode)."""
+    def _record(self, decision: Decision, n: int, tokens: Tokens, track: bool) -> Decision:
+        """The chosen worker now holds ``tokens``, ``n`` of them (predicted; also pending
+        until the request ends when ``track``: precise mode, or a budget that evicts)."""
         if n:
             decision.held_before = self.index.insert(decision.worker, tokens)
-            if self.precise is not None:
-                self._tickets += 1
-                decision.ticket = f"{decision.worker}\0{self._tickets}"
-                self._pending.insert(decision.ticket, tokens)
+            # This insert may be the one that first evicts: kept from it on.
+            if track or (self.pending_prompts and self.index.evicted_tokens):
+                decision.ticket = self._pending.add(decision.worker, tokens)
         return decision
 
     def on_done(self, decision: Decision) -> None:
         if decision.ticket is not None:
-            self._pending.remove_worker(decision.ticket)
+            self._pending.end(decision.ticket)
 
     def on_rejected(self, decision: Decision, tokens: Sequence[int]) -> None:
         """The worker refused the prompt: it does not hold what was inserted for it."""

@@ -34,6 +34,10 @@ will compete for slots later), then rotation (never "first worker wins").
 probability proportional to exp(-(ttft - best) / T) instead, which spreads a burst that
 arrives between two load updates; 0 (default) is deterministic.
 
+Once the index's budget has evicted anything, the prompts of requests in flight are
+kept too and a worker's match is the longer of the index's and theirs (an engine never
+evicts a running request's blocks; ``cache_aware``'s module doc, ``pending_prompts``).
+
 The request's tokens are inserted into the index for the chosen worker (as cache_aware
 does); the caller reserves the predicted work (``LoadModel.reserve``) in the same step,
 so the next decision already sees it. Reasons: ``cache_hit`` (the chosen worker holds
@@ -51,7 +55,7 @@ from collections.abc import Mapping, Sequence
 
 from kvroute._native import PrefixIndex
 from kvroute.routing.load import LoadModel
-from kvroute.routing.policies._common import TieBreaker, tie_window
+from kvroute.routing.policies._common import PendingPrompts, TieBreaker, tie_window
 from kvroute.routing.policies.base import Decision, NoWorkerError, Policy, Reason, RouteRequest
 
 
@@ -59,7 +63,12 @@ class MinTtft(Policy):
     name = "min_ttft"
 
     def __init__(
-        self, index: PrefixIndex, *, temperature: float = 0.0, seed: int | None = None
+        self,
+        index: PrefixIndex,
+        *,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        pending_prompts: bool = True,
     ) -> None:
         if temperature < 0:
             raise ValueError("router temperature must be >= 0")
@@ -68,6 +77,9 @@ class MinTtft(Policy):
         self.work = LoadModel()  # the caller shares its own (state / simulator)
         self._rng = random.Random(seed)
         self._ties = TieBreaker()
+        # Prompts in flight once the index's budget has evicted (as cache_aware's).
+        self.pending_prompts = pending_prompts
+        self._pending = PendingPrompts(byte_tokens=getattr(index, "byte_tokens", False))
 
     def select(self, request: RouteRequest, loads: Mapping[str, int]) -> Decision:
         if not loads:
@@ -75,6 +87,9 @@ class MinTtft(Policy):
         tokens = request.tokens
         n = len(tokens)
         matches = self.index.match(tokens) if n else {}
+        track = bool(n and self.pending_prompts and self.index.evicted_tokens)
+        if track:
+            matches = self._pending.raise_matches(matches, tokens) or matches
         work = self.work
         behind = work.queued_per_worker(loads)
         pred = work.predict(loads, n, matches)
@@ -102,9 +117,16 @@ class MinTtft(Policy):
             reason = "cache_hit"
         else:
             reason = "overflow"
+        decision = Decision(worker, reason, matched, cached_tokens=matched)
         if n:
             self.index.insert(worker, tokens)
-        return Decision(worker, reason, matched, cached_tokens=matched)
+            if track or (self.pending_prompts and self.index.evicted_tokens):
+                decision.ticket = self._pending.add(worker, tokens)
+        return decision
+
+    def on_done(self, decision: Decision) -> None:
+        if decision.ticket is not None:
+            self._pending.end(decision.ticket)
 
     def _sample(self, scored: Sequence[tuple[float, int, str]]) -> str:
         best = min(s[0] for s in scored)
