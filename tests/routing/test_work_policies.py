@@ -236,9 +236,11 @@ def test_a_prompt_in_flight_is_matched_where_the_budget_evicted_it(policy: str) 
     d2 = pol.select(RouteRequest(follow), loads)  # type: ignore[attr-defined]
     assert (d2.worker, d2.reason, d2.matched_tokens) == (home, "cache_hit", 2000)
     assert d2.cached_tokens == 2000  # the prediction reads it too
+    assert pol.prompts_in_flight == 2  # type: ignore[attr-defined]
     # Ended, the first prompt is no longer pending: the index alone decides again.
     pol.on_done(d1)  # type: ignore[attr-defined]
     pol.on_done(d2)  # type: ignore[attr-defined]
+    assert pol.prompts_in_flight == 0  # type: ignore[attr-defined]
     for i in range(2):
         pol.index.insert(home, tokens(30 + i, 1500))  # type: ignore[attr-defined]
     d3 = pol.select(RouteRequest(first + tokens(3, 300)), loads)  # type: ignore[attr-defined]

@@ -60,7 +60,13 @@ def _snapshot() -> dict[str, Any]:
     }
     return {
         "workers": [worker],
-        "index": {"nodes": 0, "memory_bytes": 0, "evicted_tokens": 0, "bytes_per_token": 4.0},
+        "index": {
+            "nodes": 0,
+            "memory_bytes": 0,
+            "evicted_tokens": 0,
+            "bytes_per_token": 4.0,
+            "prompts_in_flight": 0,
+        },
         "tokenizer": {"hits": 0, "misses": 0, "bytes": 0},
         "asyncio_tasks": 0,
     }

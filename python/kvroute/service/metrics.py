@@ -137,6 +137,13 @@ class _FleetCollector(Collector):
             "Tokens evicted from the index by the per-worker budget",
             value=stats["evicted_tokens"],
         )
+        if stats.get("prompts_in_flight") is not None:
+            yield GaugeMetricFamily(
+                "kvroute_index_prompts_in_flight",
+                "Prompts of requests in flight kept beside the index once its budget has "
+                "evicted (matched where the budget forgot them; precise mode's pending)",
+                value=stats["prompts_in_flight"],
+            )
         if stats.get("bytes_per_token") is not None:
             yield GaugeMetricFamily(
                 "kvroute_index_bytes_per_token",

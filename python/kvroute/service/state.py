@@ -94,6 +94,7 @@ class RouterState:
             "index": {
                 **self.index.stats(),
                 "bytes_per_token": None if self.budget is None else self.budget.bytes_per_token,
+                "prompts_in_flight": getattr(self.policy, "prompts_in_flight", None),
             },
             "tokenizer": self.tokenizer.cache_stats(),
             "ttft_predictions": self.metrics.prediction_stats() if self.metrics else None,

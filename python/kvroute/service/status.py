@@ -226,6 +226,12 @@ def _per_token(index: dict[str, Any]) -> str:
     return "" if per is None else f", budgets at {per:g} bytes per token"
 
 
+def _in_flight(index: dict[str, Any]) -> str:
+    """The prompts kept as in flight beside the index (once its budget has evicted)."""
+    n = index.get("prompts_in_flight")
+    return "" if not n else f", {n:,} prompts in flight kept"
+
+
 def render(
     *,
     policy: str,
@@ -298,6 +304,7 @@ asyncio tasks {snapshot["asyncio_tasks"]}</p>
 <h2>Cache</h2>
 <p>{escape(reuse)}</p>
 <p>index: {index["nodes"]:,} nodes, {index["memory_bytes"] / 2**20:.1f} MiB,
-{index["evicted_tokens"]:,} tokens evicted{_per_token(index)} · tokenizer segment cache: hit rate
-{tok["hit_rate"]:.1%} ({tok["hits"]:,} hits, {tok["misses"]:,} misses)</p>
+{index["evicted_tokens"]:,} tokens evicted{_per_token(index)}{_in_flight(index)} ·
+tokenizer segment cache: hit rate {tok["hit_rate"]:.1%} ({tok["hits"]:,} hits,
+{tok["misses"]:,} misses)</p>
 </body></html>"""

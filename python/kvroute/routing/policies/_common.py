@@ -151,3 +151,6 @@ class PendingPrompts:
     def tickets(self) -> list[str]:
         """The tickets not yet ended (for tests and checks)."""
         return self._index.workers()
+
+    def __len__(self) -> int:
+        return len(self._index.workers())

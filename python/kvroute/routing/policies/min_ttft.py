@@ -124,6 +124,11 @@ class MinTtft(Policy):
                 decision.ticket = self._pending.add(worker, tokens)
         return decision
 
+    @property
+    def prompts_in_flight(self) -> int:
+        """Prompts kept as in flight now (``pending_prompts``; precise mode's too)."""
+        return len(self._pending)
+
     def on_done(self, decision: Decision) -> None:
         if decision.ticket is not None:
             self._pending.end(decision.ticket)
