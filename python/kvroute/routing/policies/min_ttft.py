@@ -126,7 +126,7 @@ class MinTtft(Policy):
 
     @property
     def prompts_in_flight(self) -> int:
-        """Prompts kept as in flight now (``pending_prompts``; precise mode's too)."""
+        """Prompts kept as in flight now (``pending_prompts``)."""
         return len(self._pending)
 
     def on_done(self, decision: Decision) -> None:
