@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from math import isfinite
 
 from kvroute._native import PrefixIndex, TokenIds
-from kvroute.routing.policies.base import NoWorkerError
+from kvroute.routing.policies.base import Decision, NoWorkerError
 
 # Predicted times closer than this are a tie: the model is not that precise, and a
 # few-token partial match (``"group 1..."`` vs ``"group 2..."``) must not send every
@@ -154,3 +154,19 @@ class PendingPrompts:
 
     def __len__(self) -> int:
         return len(self._index.workers())
+
+
+class KeepsPromptsInFlight:
+    """For a policy keeping its prompts in flight in ``_pending``: ``on_done`` ends the
+    decision's ticket, ``prompts_in_flight`` counts them (``/metrics``, ``/status``)."""
+
+    _pending: PendingPrompts
+
+    @property
+    def prompts_in_flight(self) -> int:
+        """Prompts kept as in flight now."""
+        return len(self._pending)
+
+    def on_done(self, decision: Decision) -> None:
+        if decision.ticket is not None:
+            self._pending.end(decision.ticket)

@@ -87,7 +87,12 @@ from typing import Protocol, TypeAlias
 
 from kvroute._native import PrefixIndex, TokenIds
 from kvroute.routing.load import LoadModel, Predictions
-from kvroute.routing.policies._common import PendingPrompts, TieBreaker, tie_window
+from kvroute.routing.policies._common import (
+    KeepsPromptsInFlight,
+    PendingPrompts,
+    TieBreaker,
+    tie_window,
+)
 from kvroute.routing.policies.base import Decision, NoWorkerError, Policy, Reason, RouteRequest
 
 # A prompt as the index takes it: as routed, or as its lookup converted it.
@@ -100,7 +105,7 @@ class PreciseSource(Protocol):
     def match(self, tokens: Sequence[int]) -> tuple[dict[str, int], set[str]]: ...
 
 
-class CacheAware(Policy):
+class CacheAware(KeepsPromptsInFlight, Policy):
     name = "cache_aware"
 
     def __init__(
@@ -313,15 +318,6 @@ class CacheAware(Policy):
             if track or (self.pending_prompts and self.index.evicted_tokens):
                 decision.ticket = self._pending.add(decision.worker, tokens)
         return decision
-
-    @property
-    def prompts_in_flight(self) -> int:
-        """Prompts kept as in flight now (``pending_prompts``; precise mode's too)."""
-        return len(self._pending)
-
-    def on_done(self, decision: Decision) -> None:
-        if decision.ticket is not None:
-            self._pending.end(decision.ticket)
 
     def on_rejected(self, decision: Decision, tokens: Sequence[int]) -> None:
         """The worker refused the prompt: it does not hold what was inserted for it."""

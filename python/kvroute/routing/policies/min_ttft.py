@@ -55,11 +55,16 @@ from collections.abc import Mapping, Sequence
 
 from kvroute._native import PrefixIndex
 from kvroute.routing.load import LoadModel
-from kvroute.routing.policies._common import PendingPrompts, TieBreaker, tie_window
+from kvroute.routing.policies._common import (
+    KeepsPromptsInFlight,
+    PendingPrompts,
+    TieBreaker,
+    tie_window,
+)
 from kvroute.routing.policies.base import Decision, NoWorkerError, Policy, Reason, RouteRequest
 
 
-class MinTtft(Policy):
+class MinTtft(KeepsPromptsInFlight, Policy):
     name = "min_ttft"
 
     def __init__(
@@ -123,15 +128,6 @@ class MinTtft(Policy):
             if track or (self.pending_prompts and self.index.evicted_tokens):
                 decision.ticket = self._pending.add(worker, tokens)
         return decision
-
-    @property
-    def prompts_in_flight(self) -> int:
-        """Prompts kept as in flight now (``pending_prompts``)."""
-        return len(self._pending)
-
-    def on_done(self, decision: Decision) -> None:
-        if decision.ticket is not None:
-            self._pending.end(decision.ticket)
 
     def _sample(self, scored: Sequence[tuple[float, int, str]]) -> str:
         best = min(s[0] for s in scored)
