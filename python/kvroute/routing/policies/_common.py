@@ -139,12 +139,11 @@ class PendingPrompts:
     ) -> dict[str, int] | None:
         """``matches`` (the index's, per worker) with each raised to what is in flight
         there, or None when nothing in flight raises any."""
-        pending = self.per_worker(tokens)
-        if not any(n > matches.get(w, 0) for w, n in pending.items()):
-            return None
-        per = dict(matches)
-        for w, n in pending.items():
-            if n > per.get(w, 0):
+        per: dict[str, int] | None = None
+        for w, n in self.per_worker(tokens).items():
+            if n > matches.get(w, 0):
+                if per is None:
+                    per = dict(matches)
                 per[w] = n
         return per
 
@@ -153,7 +152,7 @@ class PendingPrompts:
         return self._index.workers()
 
     def __len__(self) -> int:
-        return len(self._index.workers())
+        return len(self.tickets())
 
 
 class KeepsPromptsInFlight:
