@@ -11,7 +11,7 @@ import pytest
 
 from kvroute.config import Settings
 from kvroute.service.app import create_app
-from kvroute.service.attempts import first_byte_deadline
+from kvroute.service.attempts import first_byte_deadline, usage_fields
 from kvroute.service.quarantine import Quarantine, fingerprint, first_byte_secs, output_tokens
 
 URLS = ["http://w1:8000", "http://w2:8000", "http://w3:8000"]
@@ -173,3 +173,38 @@ def test_a_streams_deadline_follows_its_predicted_time_to_first_token() -> None:
     short = first_byte_secs(100, floor_s=floor, cap_s=cap)
     assert first_byte_deadline(short, 1000.0, True, floor) == short
     assert first_byte_deadline(short, 0.0, True, floor) == short
+
+
+@pytest.mark.parametrize(
+    ("answer", "expected"),
+    [
+        # OpenAI's shape, cached tokens among the prompt's details, reasoning among the output's
+        (
+            b'{"choices":[{"message":{"content":"a \\"usage\\": {\\"prompt_tokens\\": 7}"}}],'
+            b'"usage":{"prompt_tokens":2000,"completion_tokens":12,"total_tokens":2012,'
+            b'"prompt_tokens_details":{"cached_tokens":1536},'
+            b'"completion_tokens_details":{"reasoning_tokens":5}}}',
+            (2000, 12, 1536),
+        ),
+        # SGLang's /generate: no usage key, the counts in meta_info
+        (
+            b'{"text":"hi","meta_info":{"id":"x","prompt_tokens":300,"completion_tokens":4,'
+            b'"cached_tokens":256}}',
+            (300, 4, 256),
+        ),
+        # a stream's last events: a content event with a null usage, then the usage event
+        (
+            b'data: {"choices":[{"delta":{"content":"x"}}],"usage":null}\n\n'
+            b'data: {"choices":[],"usage":{"prompt_tokens": 50, "completion_tokens" : 3}}\n\n'
+            b"data: [DONE]\n\n",
+            (50, 3, None),
+        ),
+        # nothing reported, or not as numbers
+        (b'{"choices":[]}', (None, None, None)),
+        (b'{"usage":{"prompt_tokens":null,"completion_tokens":"3"}}', (None, None, None)),
+    ],
+)
+def test_usage_fields_read_what_the_answer_reports(
+    answer: bytes, expected: tuple[int | None, int | None, int | None]
+) -> None:
+    assert usage_fields(answer) == expected

@@ -67,7 +67,9 @@ REQUEST_FAILURES_ALLOWED = 1
 # A stream's first-byte deadline may shrink to the floor plus this times its predicted
 # time to first token (``first_byte_deadline``): generous, the prior may be 4x off.
 LEARNED_MARGIN = 8.0
-USAGE_RE = re.compile(rb'"\w+"\s*:\s*(\d+)')
+# The counts an answer reports (OpenAI's ``usage``, SGLang's ``meta_info``): read in one
+# pass from the ``usage`` key on (the answer's end), or over the whole answer without it.
+USAGE_FIELDS_RE = re.compile(rb'"(prompt_tokens|completion_tokens|cached_tokens)"\s*:\s*(\d+)')
 
 
 @dataclass(slots=True)
@@ -414,10 +416,21 @@ def releaser(ticket: Ticket, then: Callable[[], Any] | None) -> Callable[[], Non
     return release
 
 
-def _usage_field(data: bytes, name: bytes) -> int | None:
-    at = data.find(b'"' + name + b'"')
-    m = USAGE_RE.match(data, at) if at >= 0 else None
-    return int(m.group(1)) if m is not None else None
+def usage_fields(data: bytes) -> tuple[int | None, int | None, int | None]:
+    """(prompt_tokens, completion_tokens, cached_tokens) as ``data`` (an answer, or a
+    stream's event) reports them, each None when absent; the first of each counts."""
+    at = data.find(b'"usage"')
+    prompt = completion = cached = None
+    for name, value in USAGE_FIELDS_RE.findall(data, at if at >= 0 else 0):
+        if name == b"prompt_tokens":
+            if prompt is None:
+                prompt = int(value)
+        elif name == b"completion_tokens":
+            if completion is None:
+                completion = int(value)
+        elif cached is None:
+            cached = int(value)
+    return prompt, completion, cached
 
 
 def usage(
@@ -428,11 +441,9 @@ def usage(
     same tokenizer); and the index ``budget``, how many tokens its prompt was. Returns
     the reported (prompt_tokens, cached_tokens), for the predicted-against-reported
     reuse counts (read once, here)."""
-    ticket.output_tokens = _usage_field(data, b"completion_tokens")
-    prompt = _usage_field(data, b"prompt_tokens")
+    prompt, ticket.output_tokens, cached = usage_fields(data)
     if budget is not None:
         budget.observe(ticket.prompt_tokens, prompt)
-    cached = _usage_field(data, b"cached_tokens")
     if prompt is not None and cached is not None and prompt == ticket.prompt_tokens:
         ticket.reported_uncached = max(0, prompt - cached)
     return prompt, cached

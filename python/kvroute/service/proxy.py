@@ -63,8 +63,6 @@ log = logging.getLogger("kvroute.service.proxy")
 
 # Worker answer headers passed on to the client (besides the router's own).
 PASS_HEADERS = frozenset((b"content-type", b"cache-control"))
-CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
-PROMPT_RE = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 
 
@@ -374,15 +372,6 @@ class Forwarder:
         out.extend(tokens)
         return out
 
-    def _reuse(self, data: bytes, predicted: int, source: str) -> None:
-        """Count predicted against reported prefix reuse when the answer reports it."""
-        at = data.find(b'"cached_tokens"')
-        m = CACHED_RE.match(data, at) if at >= 0 else None
-        if m is not None:
-            p = PROMPT_RE.search(data)
-            prompt = int(p.group(1)) if p is not None else None
-            self._count_reuse((prompt, int(m.group(1))), predicted, source)
-
     def _count_reuse(
         self, reported: tuple[int | None, int | None], predicted: int, source: str
     ) -> None:
@@ -428,9 +417,8 @@ class Forwarder:
                     if ticket.first_at is None:
                         ticket.first_byte(time.monotonic())
                     if b'"prompt_tokens"' in chunk:  # the usage event
-                        if b'"cached_tokens"' in chunk:
-                            self._reuse(chunk, predicted, source)
-                        usage(ticket, chunk, self.s.budget)
+                        reported = usage(ticket, chunk, self.s.budget)
+                        self._count_reuse(reported, predicted, source)
                     yield chunk
         except (httpx.HTTPError, TimeoutError) as e:
             # Bytes already reached the client: no retry. Tell it in-band and end.
