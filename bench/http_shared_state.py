@@ -29,6 +29,8 @@ from kvroute.sim.fleet import prepare, upper_bound  # noqa: E402
 from kvroute.sim.workloads import llmd  # noqa: E402
 from support import RedisServer  # noqa: E402
 
+MODES = ("approximate", "approximate + Redis", "precise")
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(
@@ -45,7 +47,16 @@ def main() -> int:
     ap.add_argument("--capacity-tokens", type=int, default=100_000)
     ap.add_argument("--replicas", default="1,2,3")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--modes",
+        default="approximate,approximate + Redis,precise",
+        help="which rows, comma-separated (default: all three)",
+    )
     args = ap.parse_args()
+    chosen = [m.strip() for m in args.modes.split(",")]
+    unknown = [m for m in chosen if m not in MODES]
+    if unknown:
+        raise SystemExit(f"unknown mode(s) {unknown}; known: {', '.join(MODES)}")
     requests = llmd(
         args.groups,
         args.prompts_per_group,
@@ -59,9 +70,10 @@ def main() -> int:
     bound = upper_bound(prepare(requests, 16))
     print(f"{len(requests)} requests, {args.workers} workers, upper bound {bound:.3f}\n")
     print(
-        "| replicas | mode | hit rate | TTFT p50 / p90 / p99 (s) | errors | router CPU/req (ms) |"
+        "| replicas | mode | hit rate | TTFT p50 / p90 / p99 (s) | errors | router CPU/req (ms) "
+        "| decisions: hit / miss / overflow |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="kvroute-shared-") as logs:
         redis = RedisServer(Path(logs))
         worker_args = [
@@ -76,6 +88,7 @@ def main() -> int:
                 "approximate + Redis": kvroute_spec("cache_aware", ("--state-store", redis.url)),
                 "precise": kvroute_spec("cache_aware+events"),
             }
+            modes = {m: spec for m, spec in modes.items() if m in chosen}
             for n in (int(x) for x in args.replicas.split(",")):
                 for mode, spec in modes.items():
                     with redis.client() as c:
@@ -89,11 +102,18 @@ def main() -> int:
                         time_scale=args.time_scale,
                         replicas=n,
                     )
-                    cpu = row.extra["routing"].get("router_cpu_s", 0.0)
+                    routing = row.extra["routing"]
+                    cpu = routing.get("router_cpu_s", 0.0)
+                    # Decisions by reason, summed over the replicas and both sources.
+                    by = {
+                        r: sum(v for k, v in routing.items() if k.startswith(r + "/"))
+                        for r in ("cache_hit", "cache_miss", "overflow")
+                    }
                     print(
                         f"| {n} | {mode} | {row.hit_rate:.3f} | {row.ttft_p50:.3f} / "
                         f"{row.ttft_p90:.3f} / {row.ttft_p99:.3f} | {row.errors} | "
-                        f"{cpu / len(requests) * 1000:.2f} |",
+                        f"{cpu / len(requests) * 1000:.2f} | {by['cache_hit']:.0f} / "
+                        f"{by['cache_miss']:.0f} / {by['overflow']:.0f} |",
                         flush=True,
                     )
         finally:
