@@ -19,6 +19,8 @@ from kvroute.fleet.engine_load import (
     parse_engine_load,
     parse_sglang_capacity,
 )
+from kvroute.fleet.health import EDGE_READ_GAP_S, EdgeReads
+from kvroute.fleet.registry import Registry
 from kvroute.routing.policies import RouteRequest, create_policy
 from kvroute.sim.cost import CostModel
 from kvroute.sim.fleet import FleetConfig, compare
@@ -369,37 +371,92 @@ def test_router_reads_an_engine_at_its_high_water_mark_between_checks(
     """Health checks (and the /metrics reading after each) a minute apart: a worker
     that starts queueing between two of them still has its capacity learned within
     seconds, by a reading taken when the requests routed to it exceed the most its
-    engine was seen running with nothing waiting (``kvroute.fleet.health.EdgeReads``).
-    One worker, so that every request goes to it."""
+    engine was seen running with nothing waiting (``kvroute.fleet.health.EdgeReads``);
+    once learned, it is read no more. One worker, so that every request goes to it."""
     worker = _sim_worker(tmp_path)
     processes.append(worker)
     router = start_router([worker.url], tmp_path, "--health-check-interval-secs", "60")
     processes.append(router)
     body = {"model": "sim", "prompt": list(range(1, 257)), "max_tokens": 30}
 
-    async def run() -> dict[str, object]:
+    async def run() -> tuple[dict[str, object], float, float]:
         async with httpx.AsyncClient(base_url=router.url, timeout=30) as c:
             # 4 requests of about 3 s of decode each: the worker runs 2 and queues 2.
-            # The first reading (at the first request) finds it running that one;
-            # the three after it come within a second of that reading.
-            first = asyncio.ensure_future(c.post("/v1/completions", json=body))
+            held = [asyncio.ensure_future(c.post("/v1/completions", json=body))]
             await asyncio.sleep(0.3)
-            held = asyncio.gather(first, *(c.post("/v1/completions", json=body) for _ in range(3)))
-            await asyncio.sleep(1.0)  # past the gap between two readings of one worker
-            fifth = asyncio.ensure_future(c.post("/v1/completions", json=body))
+            held += [asyncio.ensure_future(c.post("/v1/completions", json=body)) for _ in range(3)]
+            await asyncio.sleep(2 * EDGE_READ_GAP_S)  # past the gap: a reading sees the queue
+            held.append(asyncio.ensure_future(c.post("/v1/completions", json=body)))
             learned = await _learned_capacities(c, 5, 0.05)
-            for r in await held:
+            reads = metric(router, "kvroute_engine_reads_between_checks_total")
+            # Past the gap again, above the high-water mark: no reading once learned.
+            await asyncio.sleep(2 * EDGE_READ_GAP_S)
+            held += [asyncio.ensure_future(c.post("/v1/completions", json=body)) for _ in range(2)]
+            await asyncio.sleep(2 * EDGE_READ_GAP_S)
+            after = metric(router, "kvroute_engine_reads_between_checks_total")
+            for r in await asyncio.gather(*held):
                 assert r.status_code == 200
-            assert (await fifth).status_code == 200
-        return learned
+        return learned, reads, after
 
-    learned = asyncio.run(run())
+    learned, reads, after = asyncio.run(run())
     assert learned == {worker.url: 2}, "learned from a reading between two checks"
-    # Two readings: at the first request (idle then) and at the fifth (capacity learned:
-    # read no more); the second to fourth came within a second of the first.
-    assert metric(router, "kvroute_engine_reads_between_checks_total") == 2
+    assert 1 <= reads <= 3  # at high-water marks only, a gap apart: not one per request
+    assert after == reads, "read no more once the capacity is learned"
     rows = httpx.get(router.url + "/workers").json()
     assert all(w["in_flight"] == 0 for w in rows)
+
+
+class _Fleet:
+    """What ``EdgeReads`` reads of the router's state (``kvroute.fleet.health.Checked``)."""
+
+    def __init__(self, url: str) -> None:
+        self.capacity = CapacityLearner()
+        self.registry = Registry(Settings(worker_urls=[url]).validate())
+        self.registry.add(url)
+
+
+def test_edge_reads_a_worker_at_most_once_a_gap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests routed above a worker's high-water mark start a reading of its engine at
+    most once per ``EDGE_READ_GAP_S``, one at a time, and none once its capacity is
+    known."""
+    url = "http://w1:8000"
+    state = _Fleet(url)
+    started: list[str] = []
+    now = [100.0]
+    monkeypatch.setattr("kvroute.fleet.health.time.monotonic", lambda: now[0])
+
+    async def read(_: object, worker: str) -> None:
+        started.append(worker)
+
+    monkeypatch.setattr("kvroute.fleet.health.poll_engine_load", read)
+
+    async def run() -> None:
+        edge = EdgeReads(state)  # type: ignore[arg-type]
+        w = state.registry.workers[url]
+        w.in_flight = 3  # above the floor (none seen yet)
+        edge.after_reserve(url)
+        await asyncio.sleep(0)  # the reading runs and ends
+        assert started == [url]
+        now[0] += EDGE_READ_GAP_S / 2
+        edge.after_reserve(url)  # within the gap: no reading
+        await asyncio.sleep(0)
+        assert started == [url]
+        now[0] += EDGE_READ_GAP_S
+        state.capacity.floors[url] = 3  # seen running 3, nothing waiting
+        edge.after_reserve(url)  # not above what it was seen running: no reading
+        w.in_flight = 4
+        edge.after_reserve(url)  # a new high-water mark, past the gap: read
+        await asyncio.sleep(0)
+        assert started == [url, url]
+        now[0] += 2 * EDGE_READ_GAP_S
+        state.capacity.capacities[url] = 3  # learned: read no more
+        w.in_flight = 9
+        edge.after_reserve(url)
+        await asyncio.sleep(0)
+        assert started == [url, url]
+        await edge.close()
+
+    asyncio.run(run())
 
 
 def test_router_counts_load_that_bypassed_it(tmp_path: Path, processes: list[Server]) -> None:

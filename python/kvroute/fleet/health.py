@@ -116,8 +116,12 @@ def _routed(state: Checked, url: str) -> int:
 
 
 # At most one edge read per worker this often (seconds): a worker at its high-water
-# mark is read again a second later, not at every request.
-EDGE_READ_GAP_S = 1.0
+# mark is read again a quarter of a second later, not at every request. Readings happen
+# only until the worker's capacity is learned, each at a new high-water mark: a queue
+# of a burst is short-lived, and read a second apart it was missed for seconds (on
+# random fleets with capacities learned this way, TTFT p90, p99 and mean 0-6% lower at
+# 0.8x and 1.0x load than with 1 s; docs/studies/work-aware.md).
+EDGE_READ_GAP_S = 0.25
 
 
 class EdgeReads:
