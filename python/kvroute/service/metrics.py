@@ -44,6 +44,23 @@ RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 PREDICTION_BUCKETS = (0.125, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4, 8)
 
 
+# Index gauges shown only where they apply: (snapshot key, name, help).
+OPTIONAL_INDEX_GAUGES = (
+    (
+        "prompts_in_flight",
+        "kvroute_index_prompts_in_flight",
+        "Prompts of requests in flight kept beside the index once its budget has "
+        "evicted (matched where the budget forgot them; precise mode's pending)",
+    ),
+    (
+        "bytes_per_token",
+        "kvroute_index_bytes_per_token",
+        "Routing on bytes: the bytes per engine token the index budgets count "
+        "(learned from the answers' usage)",
+    ),
+)
+
+
 class _FleetCollector(Collector):
     def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         self._snapshot = snapshot
@@ -137,20 +154,9 @@ class _FleetCollector(Collector):
             "Tokens evicted from the index by the per-worker budget",
             value=stats["evicted_tokens"],
         )
-        if stats.get("prompts_in_flight") is not None:
-            yield GaugeMetricFamily(
-                "kvroute_index_prompts_in_flight",
-                "Prompts of requests in flight kept beside the index once its budget has "
-                "evicted (matched where the budget forgot them; precise mode's pending)",
-                value=stats["prompts_in_flight"],
-            )
-        if stats.get("bytes_per_token") is not None:
-            yield GaugeMetricFamily(
-                "kvroute_index_bytes_per_token",
-                "Routing on bytes: the bytes per engine token the index budgets count "
-                "(learned from the answers' usage)",
-                value=stats["bytes_per_token"],
-            )
+        for key, name, doc in OPTIONAL_INDEX_GAUGES:
+            if stats.get(key) is not None:
+                yield GaugeMetricFamily(name, doc, value=stats[key])
         tok = snap["tokenizer"]
         yield GaugeMetricFamily(
             "kvroute_tokenizer_cache_hits", "Segment cache hits of the tokenizer", value=tok["hits"]

@@ -156,10 +156,18 @@ class PendingPrompts:
 
 
 class KeepsPromptsInFlight:
-    """For a policy keeping its prompts in flight in ``_pending``: ``on_done`` ends the
-    decision's ticket, ``prompts_in_flight`` counts them (``/metrics``, ``/status``)."""
+    """For a policy keeping its prompts in flight in ``_pending``: when to keep them
+    (``_budget_evicted``), ``on_done`` ends the decision's ticket, ``prompts_in_flight``
+    counts them (``/metrics``, ``/status``)."""
 
     _pending: PendingPrompts
+    index: PrefixIndex
+    pending_prompts: bool
+
+    def _budget_evicted(self) -> bool:
+        """Are prompts in flight kept now: ``pending_prompts`` on and the index's budget
+        has evicted (from the first eviction on; before it, the index holds them all)."""
+        return self.pending_prompts and self.index.evicted_tokens > 0
 
     @property
     def prompts_in_flight(self) -> int:

@@ -178,7 +178,7 @@ class CacheAware(KeepsPromptsInFlight, Policy):
         if self.work is not None:
             if n:
                 looked = self.index.lookup(tokens)
-                if not track and self.pending_prompts and self.index.evicted_tokens:
+                if not track and self._budget_evicted():
                     track = True
                     looked = self._with_pending(looked)
                 matches, ids = looked[0], looked[3]
@@ -315,7 +315,7 @@ class CacheAware(KeepsPromptsInFlight, Policy):
         if n:
             decision.held_before = self.index.insert(decision.worker, tokens)
             # This insert may be the one that first evicts: kept from it on.
-            if track or (self.pending_prompts and self.index.evicted_tokens):
+            if track or self._budget_evicted():
                 decision.ticket = self._pending.add(decision.worker, tokens)
         return decision
 

@@ -92,7 +92,7 @@ class MinTtft(KeepsPromptsInFlight, Policy):
         tokens = request.tokens
         n = len(tokens)
         matches = self.index.match(tokens) if n else {}
-        track = bool(n and self.pending_prompts and self.index.evicted_tokens)
+        track = bool(n) and self._budget_evicted()
         if track:
             matches = self._pending.raise_matches(matches, tokens) or matches
         work = self.work
@@ -125,7 +125,7 @@ class MinTtft(KeepsPromptsInFlight, Policy):
         decision = Decision(worker, reason, matched, cached_tokens=matched)
         if n:
             self.index.insert(worker, tokens)
-            if track or (self.pending_prompts and self.index.evicted_tokens):
+            if track or self._budget_evicted():
                 decision.ticket = self._pending.add(worker, tokens)
         return decision
 
