@@ -277,6 +277,35 @@ def test_load_reaches_the_other_routers_as_it_changes() -> None:
         sub.apply(b"r3", b"\x08\x00\x03\x00")
 
 
+def test_the_prefill_another_router_started_is_timed_from_when_it_was_heard() -> None:
+    """A router hears another's request reserved on a worker with nothing else of
+    theirs waiting: its prefill begins about then, and the worker's queue is what is
+    left of it; when it has its first byte, the next of theirs begins."""
+    from kvroute.fleet.shared.loads import SharedLoad
+    from kvroute.routing.load import PRIOR_OVERHEAD_S, PRIOR_PREFILL_TPS, LoadModel
+
+    clock = [50.0]
+    mine, theirs = LoadModel(), LoadModel()
+    theirs.clock = lambda: clock[0]
+    pub = SharedLoad(mine, lambda: None)
+    sub = SharedLoad(theirs, lambda: None)
+    theirs.add_worker("http://a")
+    t1 = mine.reserve("http://a", 15_000, 10, 0.0)
+    mine.reserve("http://a", 15_000, 10, 0.0)
+    sub.apply(b"r1", pub.take()[0])
+    assert theirs.peer_head == {"http://a": 50.0}
+    one = PRIOR_OVERHEAD_S + 15_000 / PRIOR_PREFILL_TPS
+    clock[0] = 50.5
+    assert theirs.ahead("http://a") == pytest.approx(2 * one - 0.5)
+    t1.first_byte(0.9)
+    clock[0] = 51.0
+    sub.apply(b"r1", pub.take()[0])
+    assert theirs.peer_head == {"http://a": 51.0}
+    assert theirs.ahead("http://a") == pytest.approx(one)
+    sub.keep(set())  # the router left: nothing of theirs waits
+    assert theirs.peer_head == {} and theirs.ahead("http://a") == 0.0
+
+
 def test_decoding_requests_ends_reach_the_other_routers_on_their_own_clocks() -> None:
     """With a worker's load go its decoding requests' expected ends, in seconds from the
     write: the other router reads them on its own clock (no clocks need agree), merges

@@ -171,6 +171,54 @@ def test_a_full_worker_s_slot_frees_at_the_ends_other_routers_published() -> Non
     assert m.slot_wait("w") == pytest.approx(ours)
 
 
+def test_another_router_s_prefill_in_progress_counts_what_is_left_of_it() -> None:
+    """The head of the other routers' queue on a worker began its prefill when their
+    waiting requests went from none to some (``peer_queue_moved``), or when the one
+    ahead of it gave its first byte; counted whole, every other router saw the worker a
+    whole prefill busier than it was. Ours at the head first keeps its own timing."""
+    now = [0.0]
+    m = LoadModel()
+    m.clock = lambda: now[0]
+    head = PRIOR_OVERHEAD_S + 15_000 / PRIOR_PREFILL_TPS  # 1.005 s
+    m.add_worker("w")
+    m.peer_pending, m.peer_prefill = {"w": 1}, {"w": 15_000}
+    assert m.ahead("w") == pytest.approx(head)  # not heard when it began: whole
+    m.peer_queue_moved("w", 0, 1, 0.0)
+    now[0] = 0.4
+    assert m.ahead("w") == pytest.approx(head - 0.4)
+    assert m.predict(["w"], 100, {}).ttft["w"] == pytest.approx(m.ttft("w", 100))
+    # A second of theirs queues behind it (more, not fewer: the head goes on) ...
+    m.peer_pending, m.peer_prefill = {"w": 2}, {"w": 30_000}
+    m.peer_queue_moved("w", 1, 2, 0.5)
+    now[0] = 0.6
+    assert m.ahead("w") == pytest.approx(head - 0.6 + head)  # their mean size each
+    # ... and starts when the first had its first byte.
+    m.peer_pending, m.peer_prefill = {"w": 1}, {"w": 15_000}
+    m.peer_queue_moved("w", 2, 1, 1.0)
+    now[0] = 1.5
+    assert m.ahead("w") == pytest.approx(head - 0.5)
+    # Ours, queued behind theirs, counts whole; theirs is the one in progress.
+    m.reserve("w", 3000, 10, now=1.5)
+    assert not m.workers["w"].since  # not at the head: no timing of its own
+    ours = PRIOR_OVERHEAD_S + 3000 / PRIOR_PREFILL_TPS
+    now[0] = 2.0
+    assert m.ahead("w") == pytest.approx(head - 1.0 + ours)
+    # None of theirs left: forgotten; a later one of theirs behind ours counts whole.
+    m.peer_pending, m.peer_prefill = {"w": 0}, {"w": 0}
+    m.peer_queue_moved("w", 1, 0, 2.0)
+    assert "w" not in m.peer_head
+    v = m.reserve("v", 15_000, 10, now=2.0)  # ours at v's head, timed from 2.0
+    m.peer_pending, m.peer_prefill = {"v": 1}, {"v": 6000}
+    m.peer_queue_moved("v", 0, 1, 2.1)
+    now[0] = 2.5
+    theirs = PRIOR_OVERHEAD_S + 6000 / PRIOR_PREFILL_TPS
+    assert m.ahead("v") == pytest.approx(head - 0.5 + theirs)
+    # Heard without a clock: no timing, counted whole.
+    v.end(2.6)
+    m.peer_queue_moved("v", 1, 1, None)
+    assert "v" not in m.peer_head and m.ahead("v") == pytest.approx(theirs)
+
+
 def test_slot_waits_follow_the_decode_speed_learned_for_the_batch() -> None:
     """A request decodes at the seconds per token learned for the batch it joined at its
     first byte (engines step slower with more requests running), and the ends already

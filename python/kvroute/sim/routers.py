@@ -271,7 +271,9 @@ class RouterTier:
                     was = heard.get((k, worker), (0, 0, 0))
                     heard[k, worker] = load
                     self.peer[j][worker] += load[0] - was[0]
-                    self.peer_pending[j][worker] += load[1] - was[1]
+                    before = self.peer_pending[j][worker]
+                    self.peer_pending[j][worker] = after = before + load[1] - was[1]
+                    self.work[j].peer_queue_moved(worker, before, after, at)
                     self.peer_prefill[j][worker] += load[2] - was[2]
                     heard_ends = self._heard_ends[j]
                     heard_ends[k, worker] = [(at + d,) for d in ends]

@@ -21,6 +21,16 @@ its reservation usually ride in one entry. Absolute values rather than deltas: a
 repeated entry cannot make the sums drift, and after a reconnect the publisher resends
 everything (``resend_all``).
 
+When the others' waiting requests on a worker go from none to some, or one of them
+has its first byte and more wait, one of theirs begins its prefill about then
+(``LoadModel.peer_queue_moved``, on the receiver's clock): the queue ahead counts what is
+left of it, as of a router's own head. Counted whole, a prefill another replica had
+started a moment before made its worker (the prefix's cache holder, when that replica
+had just routed the prefix's first request) look a whole prefill busier than it was,
+and the guard moved the next request of the prefix off its cache: two to nine
+``overflow`` decisions per HTTP run of three replicas where one router made none
+(``bench/http_shared_state.py``, 480 requests).
+
 Every router keeps the others' last values per (router, worker) and their sums
 (``flight``: the store's ``peer_load``; ``pending``, ``tokens``: the load model's
 ``peer_pending``, ``peer_prefill``). A router whose heartbeat expired is dropped
@@ -247,8 +257,13 @@ class SharedLoad:
         self.flight.clear()
         self.pending.clear()
         self.tokens.clear()
+        self.model.peer_head.clear()
 
     def _add(self, url: str, flight: int, n: int, tokens: int) -> None:
+        if n:
+            before = self.pending.get(url, 0)
+            clock = self.model.clock
+            self.model.peer_queue_moved(url, before, before + n, clock() if clock else None)
         for sums, v in ((self.flight, flight), (self.pending, n), (self.tokens, tokens)):
             total = sums.get(url, 0) + v
             if total:

@@ -80,6 +80,11 @@ The prediction (``ttft``), for a request with ``uncached`` tokens on worker ``w`
               nothing when overdue). Where that start is unknown (it was routed while
               the engine had others' requests waiting or no free slot, or the model
               has no clock: ``LoadModel.clock``) it counts half done, the average.
+              When the oldest is another router replica's (``--state-store``), it
+              began when this router heard their waiting requests there go from
+              none to some, or one of them have its first byte with more waiting
+              (``LoadModel.peer_queue_moved``), unless one of ours began first: what
+              is left of a prefill of their mean size.
               + others' waiting requests, each of the mean uncached size of ours
     ttft    = ahead + overhead(w) + uncached / rate(w) + slot_wait(w)
     slot_wait = 0 while w has a free slot (requests in flight, ours + others, below its

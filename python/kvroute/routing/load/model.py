@@ -331,6 +331,10 @@ class LoadModel:
         # None: not shared, the guess above stands.
         self.peer_pending: Mapping[str, int] | None = None
         self.peer_prefill: Mapping[str, int] = {}
+        # Per worker, since when (this model's clock) the head of the other routers'
+        # waiting requests there has been prefilling, as far as this router can tell
+        # (``peer_queue_moved``): ``_ahead`` counts what is left of it, as of ours.
+        self.peer_head: dict[str, float] = {}
         # When the store shares them: other routers' decoding requests per worker, each
         # as a 1-tuple of when it is expected to end on this model's clock, soonest
         # first (``SharedLoad``; at most ``ENDS_SHARED`` per router and worker). A full
@@ -431,6 +435,20 @@ class LoadModel:
             running, waiting, kv_usage, st.requests, len(st.pending), peer_pending=peers
         )
 
+    def peer_queue_moved(self, worker: str, before: int, after: int, at: float | None) -> None:
+        """The other routers' requests waiting for a first byte on ``worker`` went from
+        ``before`` to ``after`` (summed over routers), heard at ``at`` on this model's
+        clock. From none to some, the first of them starts its prefill then (unless one
+        of ours is ahead: ``_ahead``); fewer but some, one had its first byte and the
+        next starts. Counted whole instead, a peer's prefill already under way made its
+        worker look a whole prefill busier than it was to every other router, and the
+        guard moved the next request of the same prefix off its cache (three replicas
+        over HTTP; one router, knowing its own head, did not)."""
+        if after <= 0 or at is None:
+            self.peer_head.pop(worker, None)
+        elif before <= 0 or after < before:
+            self.peer_head[worker] = at
+
     def relearn_fleet(self) -> None:
         """The fleet line: the median intercept and slope of the workers that learned."""
         lines = [st.prefill for st in self.workers.values() if st.prefill.samples >= MIN_SAMPLES]
@@ -487,21 +505,43 @@ class LoadModel:
         work = float(st.prefill_tokens)
         count = float(len(st.pending))
         left = 0.0
+        peer_n = 0
+        peer_tokens = 0
+        head: float | None = None
+        if self.peer_pending is not None:
+            peer_n = self.peer_pending.get(worker, 0)
+            if peer_n > 0:
+                peer_tokens = self.peer_prefill.get(worker, 0)
+                if now is not None:
+                    head = self.peer_head.get(worker)
         if st.pending:
             oldest, tokens = next(iter(st.pending.items()))
             at = st.since.get(oldest)
-            if now is None or at is None:  # probably being prefilled: half done
+            if now is None or (at is None and head is None):
+                # Probably being prefilled: half done.
                 work -= tokens / 2
                 count -= 0.5
-            else:
-                # Its prefill began when it was routed, or when the one ahead of it
-                # gave its first byte: what is left of its predicted prefill.
+            elif at is not None and (head is None or at <= head):
+                # Ours is at the head of the queue. Its prefill began when it was
+                # routed, or when the one ahead of it gave its first byte: what is left
+                # of its predicted prefill.
+                head = None
                 last = st.last_first
                 if last is not None and last > at:
                     at = last
                 work -= tokens
                 count -= 1
                 left = max(0.0, intercept + tokens * slope - (now - at))
+        if head is not None and now is not None:
+            # Another router's is at the head (``peer_queue_moved``): what is left of a
+            # prefill of their mean size, counted from when it began.
+            last = st.last_first
+            if last is not None and last > head:
+                head = last
+            size = peer_tokens / peer_n
+            work -= size
+            count -= 1
+            left = max(0.0, intercept + size * slope - (now - head))
         e = st.engine
         if e is not None and e.waiting > e.own_pending + e.peer_pending:
             # Waiting requests nobody shared (bypass traffic, routers without a store).
@@ -509,8 +549,8 @@ class LoadModel:
             work += others * self.mean_uncached
             count += others
         if self.peer_pending is not None:  # shared: their queued prefill exactly
-            work += self.peer_prefill.get(worker, 0)
-            count += self.peer_pending.get(worker, 0)
+            work += peer_tokens
+            count += peer_n
         else:
             peers = self.peer.get(worker, 0)
             if peers:
