@@ -291,7 +291,7 @@ def test_the_prefill_another_router_started_is_timed_from_when_it_was_heard() ->
     sub = SharedLoad(theirs, lambda: None)
     theirs.add_worker("http://a")
     t1 = mine.reserve("http://a", 15_000, 10, 0.0)
-    mine.reserve("http://a", 15_000, 10, 0.0)
+    t2 = mine.reserve("http://a", 15_000, 10, 0.0)
     sub.apply(b"r1", pub.take()[0])
     assert theirs.peer_head == {"http://a": 50.0}
     one = PRIOR_OVERHEAD_S + 15_000 / PRIOR_PREFILL_TPS
@@ -302,6 +302,16 @@ def test_the_prefill_another_router_started_is_timed_from_when_it_was_heard() ->
     sub.apply(b"r1", pub.take()[0])
     assert theirs.peer_head == {"http://a": 51.0}
     assert theirs.ahead("http://a") == pytest.approx(one)
+    # A first byte and a new request in one record: as many waiting, not the same ones.
+    t2.first_byte(1.5)
+    mine.reserve("http://a", 6000, 10, 1.5)
+    clock[0] = 52.0
+    sub.apply(b"r1", pub.take()[0])
+    assert theirs.peer_head == {"http://a": 52.0}
+    clock[0] = 52.25
+    assert theirs.ahead("http://a") == pytest.approx(
+        PRIOR_OVERHEAD_S + 6000 / PRIOR_PREFILL_TPS - 0.25
+    )
     sub.keep(set())  # the router left: nothing of theirs waits
     assert theirs.peer_head == {} and theirs.ahead("http://a") == 0.0
 

@@ -435,18 +435,22 @@ class LoadModel:
             running, waiting, kv_usage, st.requests, len(st.pending), peer_pending=peers
         )
 
-    def peer_queue_moved(self, worker: str, before: int, after: int, at: float | None) -> None:
+    def peer_queue_moved(
+        self, worker: str, before: int, after: int, at: float | None, replaced: bool = False
+    ) -> None:
         """The other routers' requests waiting for a first byte on ``worker`` went from
         ``before`` to ``after`` (summed over routers), heard at ``at`` on this model's
-        clock. From none to some, the first of them starts its prefill then (unless one
-        of ours is ahead: ``_ahead``); fewer but some, one had its first byte and the
-        next starts. Counted whole instead, a peer's prefill already under way made its
-        worker look a whole prefill busier than it was to every other router, and the
-        guard moved the next request of the same prefix off its cache (three replicas
-        over HTTP; one router, knowing its own head, did not)."""
+        clock; ``replaced``: as many as before but not the same ones (their tokens
+        changed: one left, another came, in one record). From none to some, the first
+        of them starts its prefill then (unless one of ours is ahead: ``_ahead``); fewer
+        but some, or replaced, one had its first byte and the next starts. Counted whole
+        instead, a peer's prefill already under way made its worker look a whole prefill
+        busier than it was to every other router, and the guard moved the next request
+        of the same prefix off its cache (three replicas over HTTP; one router, knowing
+        its own head, did not)."""
         if after <= 0 or at is None:
             self.peer_head.pop(worker, None)
-        elif before <= 0 or after < before:
+        elif before <= 0 or after < before or replaced:
             self.peer_head[worker] = at
 
     def relearn_fleet(self) -> None:
