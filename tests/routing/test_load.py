@@ -183,18 +183,18 @@ def test_another_router_s_prefill_in_progress_counts_what_is_left_of_it() -> Non
     m.add_worker("w")
     m.peer_pending, m.peer_prefill = {"w": 1}, {"w": 15_000}
     assert m.ahead("w") == pytest.approx(head)  # not heard when it began: whole
-    m.peer_queue_moved("w", 0, 1, 0.0)
+    m.peer_queue_moved("w", 0, 1, True, 0.0)
     now[0] = 0.4
     assert m.ahead("w") == pytest.approx(head - 0.4)
     assert m.predict(["w"], 100, {}).ttft["w"] == pytest.approx(m.ttft("w", 100))
     # A second of theirs queues behind it (more, not fewer: the head goes on) ...
     m.peer_pending, m.peer_prefill = {"w": 2}, {"w": 30_000}
-    m.peer_queue_moved("w", 1, 2, 0.5)
+    m.peer_queue_moved("w", 1, 2, True, 0.5)
     now[0] = 0.6
     assert m.ahead("w") == pytest.approx(head - 0.6 + head)  # their mean size each
     # ... and starts when the first had its first byte.
     m.peer_pending, m.peer_prefill = {"w": 1}, {"w": 15_000}
-    m.peer_queue_moved("w", 2, 1, 1.0)
+    m.peer_queue_moved("w", 2, 1, True, 1.0)
     now[0] = 1.5
     assert m.ahead("w") == pytest.approx(head - 0.5)
     # Ours, queued behind theirs, counts whole; theirs is the one in progress.
@@ -205,17 +205,17 @@ def test_another_router_s_prefill_in_progress_counts_what_is_left_of_it() -> Non
     assert m.ahead("w") == pytest.approx(head - 1.0 + ours)
     # None of theirs left: forgotten; a later one of theirs behind ours counts whole.
     m.peer_pending, m.peer_prefill = {"w": 0}, {"w": 0}
-    m.peer_queue_moved("w", 1, 0, 2.0)
+    m.peer_queue_moved("w", 1, 0, True, 2.0)
     assert "w" not in m.peer_head
     v = m.reserve("v", 15_000, 10, now=2.0)  # ours at v's head, timed from 2.0
     m.peer_pending, m.peer_prefill = {"v": 1}, {"v": 6000}
-    m.peer_queue_moved("v", 0, 1, 2.1)
+    m.peer_queue_moved("v", 0, 1, True, 2.1)
     now[0] = 2.5
     theirs = PRIOR_OVERHEAD_S + 6000 / PRIOR_PREFILL_TPS
     assert m.ahead("v") == pytest.approx(head - 0.5 + theirs)
     # Heard without a clock: no timing, counted whole.
     v.end(2.6)
-    m.peer_queue_moved("v", 1, 1, None)
+    m.peer_queue_moved("v", 1, 1, True, None)
     assert "v" not in m.peer_head and m.ahead("v") == pytest.approx(theirs)
 
 

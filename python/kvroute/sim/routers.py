@@ -273,10 +273,7 @@ class RouterTier:
                     self.peer[j][worker] += load[0] - was[0]
                     before = self.peer_pending[j][worker]
                     self.peer_pending[j][worker] = after = before + load[1] - was[1]
-                    if after != before or load[2] != was[2]:
-                        self.work[j].peer_queue_moved(
-                            worker, before, after, at, replaced=after == before
-                        )
+                    self.work[j].peer_queue_moved(worker, before, after, load[2] != was[2], at)
                     self.peer_prefill[j][worker] += load[2] - was[2]
                     heard_ends = self._heard_ends[j]
                     heard_ends[k, worker] = [(at + d,) for d in ends]

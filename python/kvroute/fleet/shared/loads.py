@@ -260,12 +260,11 @@ class SharedLoad:
         self.model.peer_head.clear()
 
     def _add(self, url: str, flight: int, n: int, tokens: int) -> None:
-        if n or tokens:
-            before = self.pending.get(url, 0)
-            clock = self.model.clock
-            self.model.peer_queue_moved(
-                url, before, before + n, clock() if clock else None, replaced=not n
-            )
+        before = self.pending.get(url, 0)
+        clock = self.model.clock
+        self.model.peer_queue_moved(
+            url, before, before + n, tokens != 0, clock() if clock else None
+        )
         for sums, v in ((self.flight, flight), (self.pending, n), (self.tokens, tokens)):
             total = sums.get(url, 0) + v
             if total:

@@ -436,21 +436,23 @@ class LoadModel:
         )
 
     def peer_queue_moved(
-        self, worker: str, before: int, after: int, at: float | None, replaced: bool = False
+        self, worker: str, before: int, after: int, tokens_moved: bool, at: float | None
     ) -> None:
         """The other routers' requests waiting for a first byte on ``worker`` went from
-        ``before`` to ``after`` (summed over routers), heard at ``at`` on this model's
-        clock; ``replaced``: as many as before but not the same ones (their tokens
-        changed: one left, another came, in one record). From none to some, the first
-        of them starts its prefill then (unless one of ours is ahead: ``_ahead``); fewer
-        but some, or replaced, one had its first byte and the next starts. Counted whole
-        instead, a peer's prefill already under way made its worker look a whole prefill
-        busier than it was to every other router, and the guard moved the next request
-        of the same prefix off its cache (three replicas over HTTP; one router, knowing
-        its own head, did not)."""
+        ``before`` to ``after`` (summed over routers), their tokens changed or not
+        (``tokens_moved``), heard at ``at`` on this model's clock. From none to some, the
+        first of them starts its prefill then (unless one of ours is ahead: ``_ahead``);
+        fewer but some, or as many with other tokens (one left, another came, in one
+        record), one had its first byte and the next starts. Counted whole instead, a
+        peer's prefill already under way made its worker look a whole prefill busier
+        than it was to every other router, and the guard moved the next request of the
+        same prefix off its cache (three replicas over HTTP; one router, knowing its own
+        head, did not)."""
+        if after == before and not tokens_moved:
+            return
         if after <= 0 or at is None:
             self.peer_head.pop(worker, None)
-        elif before <= 0 or after < before or replaced:
+        elif before <= 0 or after <= before:
             self.peer_head[worker] = at
 
     def relearn_fleet(self) -> None:
@@ -511,41 +513,37 @@ class LoadModel:
         left = 0.0
         peer_n = 0
         peer_tokens = 0
-        head: float | None = None
+        peer_at: float | None = None  # when the other routers' head began (``peer_queue_moved``)
         if self.peer_pending is not None:
             peer_n = self.peer_pending.get(worker, 0)
             if peer_n > 0:
                 peer_tokens = self.peer_prefill.get(worker, 0)
                 if now is not None:
-                    head = self.peer_head.get(worker)
+                    peer_at = self.peer_head.get(worker)
+        # The head of the queue, being prefilled: when it was routed (ours) or heard to
+        # begin (theirs), and its size; the earlier of ours and theirs.
+        head_at: float | None = None
+        head_size = 0.0
         if st.pending:
             oldest, tokens = next(iter(st.pending.items()))
             at = st.since.get(oldest)
-            if now is None or (at is None and head is None):
+            if now is None or (at is None and peer_at is None):
                 # Probably being prefilled: half done.
                 work -= tokens / 2
                 count -= 0.5
-            elif at is not None and (head is None or at <= head):
-                # Ours is at the head of the queue. Its prefill began when it was
-                # routed, or when the one ahead of it gave its first byte: what is left
-                # of its predicted prefill.
-                head = None
-                last = st.last_first
-                if last is not None and last > at:
-                    at = last
-                work -= tokens
-                count -= 1
-                left = max(0.0, intercept + tokens * slope - (now - at))
-        if head is not None and now is not None:
-            # Another router's is at the head (``peer_queue_moved``): what is left of a
-            # prefill of their mean size, counted from when it began.
+            elif at is not None and (peer_at is None or at <= peer_at):
+                head_at, head_size = at, tokens
+        if head_at is None and peer_at is not None:
+            head_at, head_size = peer_at, peer_tokens / peer_n  # theirs: their mean size
+        if head_at is not None and now is not None:
+            # Its prefill began then, or when the one ahead of it gave its first byte:
+            # what is left of its predicted prefill.
             last = st.last_first
-            if last is not None and last > head:
-                head = last
-            size = peer_tokens / peer_n
-            work -= size
+            if last is not None and last > head_at:
+                head_at = last
+            work -= head_size
             count -= 1
-            left = max(0.0, intercept + size * slope - (now - head))
+            left = max(0.0, intercept + head_size * slope - (now - head_at))
         e = st.engine
         if e is not None and e.waiting > e.own_pending + e.peer_pending:
             # Waiting requests nobody shared (bypass traffic, routers without a store).
