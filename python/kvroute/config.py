@@ -240,6 +240,9 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 30000
     tokenizer: str | None = None
+    # With ``tokenizer`` a Hugging Face model ID: the branch, tag or commit to read
+    # (``resolve_tokenizer``, at start-up).
+    tokenizer_revision: str | None = None
     cache_threshold: float = 0.3
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
@@ -343,9 +346,19 @@ class Settings:
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port must be in 1..65535, got {self.port}")
         if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
-            raise ConfigError(f"--tokenizer {self.tokenizer!r}: no such directory")
-        if self.tokenizer is not None and not os.access(self.tokenizer, os.R_OK | os.X_OK):
+            # A Hugging Face model ID is found (or downloaded) at start-up
+            # (``resolve_tokenizer``); anything else names a directory that is not there.
+            from kvroute.routing.tokenizer_files import is_model_id
+
+            if not is_model_id(self.tokenizer):
+                raise ConfigError(
+                    f"--tokenizer {self.tokenizer!r}: no such directory (nor a Hugging Face "
+                    "model ID)"
+                )
+        elif self.tokenizer is not None and not os.access(self.tokenizer, os.R_OK | os.X_OK):
             raise ConfigError(f"--tokenizer {self.tokenizer!r}: directory not readable")
+        if self.tokenizer_revision is not None and self.tokenizer is None:
+            raise ConfigError("--tokenizer-revision needs --tokenizer MODEL_ID")
         for name in (
             "request_timeout_secs",
             "first_byte_timeout_secs",

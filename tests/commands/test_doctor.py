@@ -88,8 +88,9 @@ def test_the_tokenizer_is_compared_with_the_engines(
     tmp_path: Path, processes: list[Server]
 ) -> None:
     assert QWEN is not None
-    qwen = sim_worker(tmp_path, processes, "--tokenizer", QWEN)
-    raw = sim_worker(tmp_path, processes)  # tokenizes to UTF-8 bytes
+    # Served under its model ID, which its /v1/models names as the model's root.
+    qwen = sim_worker(tmp_path, processes, "--tokenizer", QWEN, "--model", "Qwen/Qwen3-8B")
+    raw = sim_worker(tmp_path, processes, "--model", "Qwen/Qwen3-8B")  # UTF-8 bytes
     code, report, _ = doctor(qwen.url, raw.url, "--tokenizer", QWEN)
     assert code == 1
     assert findings(report, qwen.url)["tokenizer"]["status"] == "ok"
@@ -99,7 +100,10 @@ def test_the_tokenizer_is_compared_with_the_engines(
     # Without --tokenizer, kvroute's bytes are compared with the Qwen engine's tokens.
     code, report, _ = doctor(qwen.url)
     assert code == 0  # routing on bytes works, but it is worth a warning
-    assert findings(report, qwen.url)["tokenizer"]["status"] == "warn"
+    warned = findings(report, qwen.url)["tokenizer"]
+    assert warned["status"] == "warn"
+    # The fix names the model ID the engine loaded: what --tokenizer takes.
+    assert "--tokenizer Qwen/Qwen3-8B" in warned["fix"]
 
 
 def test_kv_events_are_listened_for(tmp_path: Path, processes: list[Server]) -> None:
@@ -179,6 +183,7 @@ async def test_sglang_settings_are_read_from_server_info() -> None:
         rep = await probe_worker(client, "http://sglang:30000", PromptTokenizer(None), False)
     f = {x.check: x for x in rep.findings}
     assert (rep.engine, rep.version, rep.model) == ("sglang", "0.5.4", "Qwen/Qwen3-8B")
+    assert rep.tokenizer_source == "Qwen/Qwen3-8B"
     assert f["prefix_cache"].status == "fail"
     assert "--disable-radix-cache" in f["prefix_cache"].fix
     assert f["kv_events"].status == "info" and "--kv-events-config" in f["kv_events"].fix

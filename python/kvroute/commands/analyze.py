@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 from typing import Any
 
@@ -38,9 +37,15 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tokenizer",
         default=None,
-        metavar="DIR",
-        help="tokenizer directory for a JSONL of request bodies (the model's, as given "
-        "to kvroute serve); without it prompts are UTF-8 bytes",
+        metavar="DIR|MODEL_ID",
+        help="tokenizer for a JSONL of request bodies (the model's, as given to kvroute "
+        "serve: a directory or a Hugging Face model ID); without it prompts are UTF-8 bytes",
+    )
+    p.add_argument(
+        "--tokenizer-revision",
+        default=None,
+        metavar="REV",
+        help="with a model ID: as kvroute serve's --tokenizer-revision",
     )
     add_fleet_args(p)
     p.add_argument("--limit", type=int, default=None, help="first N requests only")
@@ -49,7 +54,12 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def load(
-    path: str, limit: int | None, seed: int, time_scale: float, tokenizer: str | None = None
+    path: str,
+    limit: int | None,
+    seed: int,
+    time_scale: float,
+    tokenizer: str | None = None,
+    revision: str | None = None,
 ) -> list[Any]:
     from kvroute.sim import workloads as wl
 
@@ -57,8 +67,10 @@ def load(
     if all("hash_ids" in r for r in rows):
         return wl.from_trace_rows(rows, seed=seed, time_scale=time_scale)
     if rows and all(isinstance(r, dict) and ("messages" in r or "prompt" in r) for r in rows):
-        if tokenizer is not None and not os.path.isdir(tokenizer):
-            raise ValueError(f"--tokenizer {tokenizer!r}: no such directory")
+        if tokenizer is not None:
+            from kvroute.routing.tokenizer_files import resolve_tokenizer
+
+            tokenizer = resolve_tokenizer(tokenizer, revision)
         rows = asyncio.run(_tokenize_bodies(rows, tokenizer))
     out = []
     for i, r in enumerate(rows):
@@ -132,7 +144,14 @@ def run(args: argparse.Namespace) -> int:
     from kvroute.sim.report import markdown_table, to_json
 
     try:
-        requests = load(args.trace, args.limit, args.seed, args.time_scale, args.tokenizer)
+        requests = load(
+            args.trace,
+            args.limit,
+            args.seed,
+            args.time_scale,
+            args.tokenizer,
+            args.tokenizer_revision,
+        )
         cfg = fleet_config(args)
     except (ValueError, OSError, KeyError) as e:
         print(f"kvroute analyze: error: {e}", file=sys.stderr)

@@ -39,9 +39,16 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tokenizer",
         default=None,
-        metavar="DIR",
-        help="the tokenizer directory you give kvroute serve; compared with each "
-        "engine's POST /tokenize on sample texts (without it: UTF-8 bytes, as serve)",
+        metavar="DIR|MODEL_ID",
+        help="the tokenizer you give kvroute serve (a directory or a Hugging Face model "
+        "ID, found as serve finds it); compared with each engine's POST /tokenize on "
+        "sample texts (without it: UTF-8 bytes, as serve)",
+    )
+    p.add_argument(
+        "--tokenizer-revision",
+        default=None,
+        metavar="REV",
+        help="with a model ID: as kvroute serve's --tokenizer-revision",
     )
     p.add_argument(
         "--kv-events",
@@ -68,6 +75,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvroute.config import ConfigError, normalize_worker_url
     from kvroute.routing.tokenization import PromptTokenizer
+    from kvroute.routing.tokenizer_files import resolve_tokenizer
 
     store = None
     try:
@@ -78,9 +86,12 @@ def run(args: argparse.Namespace) -> int:
 
             store = StoreURL(args.state_store)
         urls = [normalize_worker_url(u) for u in args.urls]
-        if args.tokenizer is not None and not os.path.isdir(args.tokenizer):
-            raise ConfigError(f"--tokenizer {args.tokenizer!r}: no such directory")
-        tokenizer = PromptTokenizer(args.tokenizer)
+        directory = None
+        if args.tokenizer is not None:
+            directory = resolve_tokenizer(args.tokenizer, args.tokenizer_revision)
+        elif args.tokenizer_revision is not None:
+            raise ConfigError("--tokenizer-revision needs --tokenizer MODEL_ID")
+        tokenizer = PromptTokenizer(directory)
         subscriber, tracker = _listen(args.kv_events, urls, args.timeout)
     except (ConfigError, OSError, ValueError) as e:
         print(f"kvroute doctor: error: {e}", file=sys.stderr)

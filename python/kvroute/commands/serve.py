@@ -89,10 +89,19 @@ def configure(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--tokenizer",
         default=None,
-        metavar="DIR",
-        help="Hugging Face tokenizer directory (tokenizer.json + "
-        "tokenizer_config.json with the chat template), loaded offline. "
-        "Without it the router routes on the UTF-8 bytes of the prompt",
+        metavar="DIR|MODEL_ID",
+        help="the model's tokenizer, as the engines load it: a Hugging Face tokenizer "
+        "directory (tokenizer.json + tokenizer_config.json with the chat template), or "
+        "a model ID (Qwen/Qwen3-8B) found in the local Hugging Face cache (HF_HUB_CACHE, "
+        "HF_HOME), else its tokenizer files alone downloaded there unless HF_HUB_OFFLINE "
+        "is set. Without it the router routes on the UTF-8 bytes of the prompt",
+    )
+    g.add_argument(
+        "--tokenizer-revision",
+        default=None,
+        metavar="REV",
+        help="with a model ID: the branch, tag or commit to use (default: main), as the "
+        "engines' own tokenizer revision",
     )
     g.add_argument(
         "--cache-threshold",

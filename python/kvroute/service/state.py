@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -26,10 +27,13 @@ from kvroute.fleet.registry import Registry
 from kvroute.routing.load import LoadModel
 from kvroute.routing.policies import Policy, create_policy
 from kvroute.routing.tokenization import PromptTokenizer
+from kvroute.routing.tokenizer_files import resolve_tokenizer
 from kvroute.service.admission import Admission
 from kvroute.service.metrics import RouterMetrics
 from kvroute.service.quarantine import Quarantine
 from kvroute.service.upstream import Forward, PerWorkerPools
+
+log = logging.getLogger("kvroute")
 
 
 @dataclass
@@ -193,8 +197,14 @@ def _task_count() -> int:
 
 
 def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) -> RouterState:
+    directory = settings.tokenizer
+    if tokenizer is None and directory is not None:
+        # A model ID: its snapshot in the Hugging Face cache, downloaded if need be.
+        directory = resolve_tokenizer(directory, settings.tokenizer_revision)
+        if directory != settings.tokenizer:
+            log.info("--tokenizer %s: %s", settings.tokenizer, directory)
     tokenizer = tokenizer or PromptTokenizer(
-        settings.tokenizer,
+        directory,
         settings.tokenizer_cache_size,
         cache_bytes=settings.tokenizer_cache_bytes,
         trust_request_chat_template=settings.trust_request_chat_template,

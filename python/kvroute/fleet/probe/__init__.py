@@ -119,8 +119,14 @@ async def probe_worker(
     if isinstance(models, dict) and models.get("data"):
         rep.model = str(models["data"][0].get("id"))
         max_len = models["data"][0].get("max_model_len")
+        root = models["data"][0].get("root")
+        rep.tokenizer_source = root if isinstance(root, str) and root else None
     elif isinstance(server_info, dict):
         rep.model = server_info.get("model_path")
+    if isinstance(server_info, dict):
+        source = server_info.get("tokenizer_path") or server_info.get("model_path")
+        if isinstance(source, str) and source:
+            rep.tokenizer_source = source
     if rep.engine == "unknown":
         rep.add(
             "engine",

@@ -213,7 +213,7 @@ async def compare_tokenizer(
                 "tokenizer",
                 "fail",
                 f"--tokenizer does not match the served model: {detail}",
-                f"give kvroute the tokenizer directory of {rep.model} (--tokenizer DIR)",
+                _tokenizer_fix(rep),
             )
         else:
             rep.add(
@@ -221,8 +221,22 @@ async def compare_tokenizer(
                 "warn",
                 f"without --tokenizer kvroute routes on UTF-8 bytes, not the model's "
                 f"tokens: {detail}",
-                f"give kvroute the tokenizer directory of {rep.model} (--tokenizer DIR); "
-                "precise mode needs it",
+                f"{_tokenizer_fix(rep)}; precise mode needs it",
             )
         return
     rep.add("tokenizer", "ok", "kvroute's tokens equal the engine's /tokenize on the samples")
+
+
+def _tokenizer_fix(rep: WorkerReport) -> str:
+    """The ``--tokenizer`` to give kvroute: the model ID the engine loaded when it says
+    so, else the directory of its model."""
+    from kvroute.routing.tokenizer_files import is_model_id
+
+    source = rep.tokenizer_source
+    if source is not None and not os.path.isdir(source) and is_model_id(source):
+        return f"give kvroute the model the engine loaded: --tokenizer {source}"
+    where = f"; the engine loaded {source}" if source is not None else ""
+    return (
+        f"give kvroute the tokenizer of {rep.model}: --tokenizer DIR, or its Hugging Face "
+        f"model ID{where}"
+    )

@@ -36,6 +36,9 @@ class WorkerReport:
     engine: str = "unknown"  # vllm | sglang | unknown
     version: str | None = None
     model: str | None = None
+    # What the engine loaded its tokenizer from (vLLM's /v1/models ``root``, SGLang's
+    # ``tokenizer_path``): a model ID or a path on the engine's host.
+    tokenizer_source: str | None = None
     block_size: int | None = None
     findings: list[Finding] = field(default_factory=list)
     # vLLM's GET /kv_event_sources answer (None: not served), read by ``kvroute doctor``.
