@@ -240,6 +240,10 @@ def main() -> int:
             cap, _ = capacity(prep, pol, st, case.cfg, sweep, r0)
         finally:
             work_aware.at_rate = at_rate
+        if cap <= 0.0:
+            # Even the sweep's lowest rate misses the SLO under the rule: no load to scale.
+            print(f"| {i}: {case.text}; no rate meets the SLO under the rule: skipped | | | |")
+            continue
         print(f"| {i}: {case.text}; rule's capacity {cap:.2f} req/s | | | |", flush=True)
         for load in loads:
             p = case.arrive(prep, load * cap, 1)
