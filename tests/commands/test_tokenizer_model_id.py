@@ -4,6 +4,7 @@ network, its tokenizer files alone downloaded (from a stand-in Hub on loopback,
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -96,6 +97,40 @@ def test_serve_starts_from_the_cache_with_the_hub_unreachable(tmp_path: Path) ->
     log = Path(router.log_path).read_text()
     assert f"--tokenizer {REPO}: {tmp_path}" in log
     assert "downloading" not in log
+
+
+def test_a_recorded_trace_is_tokenized_with_the_model_s_tokenizer(tmp_path: Path) -> None:
+    """``--record`` tokenizes requests its policy did not (round_robin) in a thread of
+    its own, from the directory the model ID resolved to."""
+    cached(tmp_path)
+    logs = str(tmp_path / "logs")
+    worker_port, port = free_port(), free_port()
+    worker = start_server(
+        "sim",
+        kvroute_argv("sim-worker", "--port", str(worker_port), "--time-scale", "50"),
+        worker_port,
+        log_dir=logs,
+    )
+    trace = tmp_path / "trace.jsonl"
+    argv = kvroute_argv(
+        "serve", "--port", str(port), "--worker-urls", worker.url, "--tokenizer", REPO,
+        "--policy", "round_robin", "--record", str(trace),
+    )  # fmt: skip
+    env = {"HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    try:
+        router = start_server("router", argv, port, env=env, log_dir=logs)
+        try:
+            text = "Count the tokens of this sentence, not its bytes. " * 20
+            body = {"model": "sim", "messages": [{"role": "user", "content": text}]}
+            r = httpx.post(f"{router.url}/v1/chat/completions", json=body, timeout=30)
+            assert r.status_code == 200, r.text
+        finally:
+            router.stop()  # the recorder writes what is queued on the way out
+    finally:
+        worker.stop()
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(rows) == 1
+    assert 0 < rows[0]["input_length"] < len(text.encode()) / 2  # tokens, not bytes
 
 
 def test_serve_downloads_the_tokenizer_files_alone_then_restarts_offline(tmp_path: Path) -> None:

@@ -387,8 +387,12 @@ def setup_recording(state: RouterState) -> None:
 
     s = state.settings
     assert s.record is not None
+    # The directory the tokenizer was loaded from (a model ID resolved to its snapshot).
     state.recorder = TraceRecorder(
-        s.record, s.tokenizer, max_bytes=s.record_max_bytes, max_files=s.record_max_files
+        s.record,
+        state.tokenizer.tokenizer_dir,
+        max_bytes=s.record_max_bytes,
+        max_files=s.record_max_files,
     )
     state.metrics.registry.register(RecorderCollector(state.recorder))
 
