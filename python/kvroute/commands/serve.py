@@ -97,6 +97,15 @@ def configure(p: argparse.ArgumentParser) -> None:
         "is set. Without it the router routes on the UTF-8 bytes of the prompt",
     )
     g.add_argument(
+        "--model-tokenizer",
+        action="append",
+        default=[],
+        metavar="MODEL=DIR|MODEL_ID",
+        help="the tokenizer of one model of a fleet serving several base models (the "
+        "request's model field; an adapter takes its base model's), found as --tokenizer "
+        "is; repeat per model. Models not named use --tokenizer (or UTF-8 bytes)",
+    )
+    g.add_argument(
         "--tokenizer-revision",
         default=None,
         metavar="REV",
@@ -689,7 +698,12 @@ def run(args: argparse.Namespace) -> int:
         settings.max_connections,
     )
     state = app.state.router
-    if state.tokenizer.uses_bytes:
+    if state.tokenizer.uses_bytes and state.tokenizers:
+        log.info(
+            "models without --model-tokenizer (%s have one) route on the UTF-8 bytes of prompts",
+            ", ".join(sorted(state.tokenizers)),
+        )
+    elif state.tokenizer.uses_bytes:
         log.warning(
             "no --tokenizer: routing on the UTF-8 bytes of prompts, not on the "
             "engine's tokens (prefixes still line up; match lengths are in bytes)"

@@ -172,7 +172,7 @@ class Attempts:
             if s.edge is not None:
                 s.edge.after_reserve(decision.worker)
             outcome = await self._attempt(job, decision, res, ticket)
-            s.tokenizer.tails.settle()  # decide first: the whole prompt, for what follows
+            s.settle_tails()  # decide first: the whole prompt, for what follows
             worker = decision.worker
             tried.add(worker)
             if isinstance(outcome, Answer):
@@ -227,7 +227,7 @@ class Attempts:
         s = self.s
         if job.pick is not None:
             return Decision(job.pick(loads), "least_load")
-        s.tokenizer.tails.settle()  # prompts routed early are in the index before this
+        s.settle_tails()  # prompts routed early are in the index before this
         try:
             decision = s.policy.select(job.route, loads)
         except NoWorkerError:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvroute.routing.decide_first import Prompt, Tail, decide_on
 from kvroute.routing.policies.base import Decision
-from kvroute.routing.tokenization import offload
+from kvroute.routing.tokenization import PromptTokenizer, offload
 
 if TYPE_CHECKING:
     from kvroute.service.attempts import Job
@@ -40,21 +40,20 @@ class EarlyRouting:
         """--decide-first with the fast BPE, without engine events or a shared store
         (other routers would see the known start before the whole prompt)."""
         st = state.settings
-        return bool(
-            st.decide_first and state.tokenizer.fast and not st.kv_events and not st.state_store
-        )
+        fast = all(t.fast for t in state.all_tokenizers())
+        return bool(st.decide_first and fast and not st.kv_events and not st.state_store)
 
     async def tokens(
         self, route: str, body: dict[str, Any], model: str | None, wrap: Wrap
     ) -> tuple[Sequence[int], Prompt | None]:
         """The tokens to route on, and the prompt when they are only its start."""
         s = self.s
-        tok = s.tokenizer
+        tok = s.tokenizer_for(model)
         prompt = await tok.partial(route, body)
         if not prompt.complete:
             # Every earlier early prompt is in the index before the rule looks at it;
             # from here to the decision there is no await, so the rule sees its state.
-            tok.tails.settle()
+            s.settle_tails()
             loads = s.registry.loads(exclude=set(), model=model)
             start = None
             if not len(s.quarantine) and loads:  # fingerprints are of whole prompts
@@ -66,10 +65,18 @@ class EarlyRouting:
         return wrap(await tok.finish_async(prompt)), None
 
     def after_decision(
-        self, job: Job, prompt: Prompt, kind: str, obj: dict[str, Any], wrap: Wrap
+        self,
+        job: Job,
+        prompt: Prompt,
+        kind: str,
+        obj: dict[str, Any],
+        wrap: Wrap,
+        model: str | None = None,
     ) -> Callable[[Decision], None]:
-        """What the first decision of an early-routed request starts (module doc)."""
+        """What the first decision of an early-routed request starts (module doc);
+        ``model``: the request's, whose tokenizer encodes the rest."""
         s = self.s
+        tok = s.tokenizer_for(model)
         started = False
 
         def decided(decision: Decision) -> None:
@@ -85,25 +92,26 @@ class EarlyRouting:
                 if s.recorder is not None:
                     s.recorder.record(kind, obj, whole)
 
-            tail = Tail(lambda: s.tokenizer.finish(prompt), done)
-            s.tokenizer.tails.add(tail)
+            tail = Tail(lambda: tok.finish(prompt), done)
+            tok.tails.add(tail)
             loop = asyncio.get_running_loop()
-            if not offload(prompt.pending, s.tokenizer.encode_ns):
-                loop.call_soon(self._settle, tail)  # cheaper than a task or a thread hop
+            if not offload(prompt.pending, tok.encode_ns):
+                loop.call_soon(self._settle, tok, tail)  # cheaper than a task or a thread hop
                 return
-            task = loop.create_task(self._finish(tail, prompt))
+            task = loop.create_task(self._finish(tok, tail, prompt))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
         return decided
 
-    def _settle(self, tail: Tail) -> None:
-        self.s.tokenizer.tails.drop(tail)
+    @staticmethod
+    def _settle(tok: PromptTokenizer, tail: Tail) -> None:
+        tok.tails.drop(tail)
         tail.settle()
 
-    async def _finish(self, tail: Tail, prompt: Prompt) -> None:
+    async def _finish(self, tok: PromptTokenizer, tail: Tail, prompt: Prompt) -> None:
         await asyncio.sleep(0)  # the request's send goes first
         try:
-            tail.ids = await asyncio.to_thread(self.s.tokenizer.finish, prompt)
+            tail.ids = await asyncio.to_thread(tok.finish, prompt)
         finally:
-            self._settle(tail)
+            self._settle(tok, tail)

@@ -271,13 +271,13 @@ class Forwarder:
                 wrap = functools.partial(self._partitioned, kind, obj, model)
                 tokens, early = await self.early.tokens(index_kind, index_obj, model, wrap)
             else:
-                tokens = await s.tokenizer.tokens_for(index_kind, index_obj)
+                tokens = await s.tokenizer_for(model).tokens_for(index_kind, index_obj)
                 tokens = self._partitioned(kind, obj, model, tokens)
             if len(tokens) == 0:
                 raise BadRequestError("the prompt is empty")
             request.note("prompt_tokens", len(tokens))  # for the access log
         else:
-            s.tokenizer.check(index_kind, index_obj)
+            s.tokenizer_for(model).check(index_kind, index_obj)
             tokens = ()
         key = session_key(request, obj) if s.policy.needs_session else None
         headers = self._headers(request)
@@ -308,7 +308,7 @@ class Forwarder:
             expected_out=s.work.expected_output(max_tokens_of(obj)),
         )
         if early is not None and self.early is not None:
-            job.on_decision = self.early.after_decision(job, early, kind, obj, wrap)
+            job.on_decision = self.early.after_decision(job, early, kind, obj, wrap, model)
         elif s.recorder is not None:
             s.recorder.record(kind, obj, tokens)  # queued, never waits (--record)
         answer = await self.attempts.run(job)

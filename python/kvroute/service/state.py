@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -18,7 +20,12 @@ from typing import Any, cast
 import httpx
 
 from kvroute._native import PrefixIndex
-from kvroute.config import ConfigError, Settings, parse_worker_max_running
+from kvroute.config import (
+    ConfigError,
+    Settings,
+    parse_model_tokenizers,
+    parse_worker_max_running,
+)
 from kvroute.fleet.budget import IndexBudget
 from kvroute.fleet.engine_load import CapacityLearner
 from kvroute.fleet.health import EdgeReads, read_body
@@ -43,7 +50,7 @@ class RouterState:
     index: PrefixIndex
     policy: Policy
     registry: Registry
-    tokenizer: PromptTokenizer
+    tokenizer: PromptTokenizer  # the default one (--tokenizer, or UTF-8 bytes)
     metrics: RouterMetrics
     admission: Admission
     quarantine: Quarantine
@@ -73,6 +80,37 @@ class RouterState:
     # period runs out, cancels what is still in flight.
     draining: bool = False
     recorder: Any = None  # kvroute.service.recorder.TraceRecorder with --record
+    # --model-tokenizer: the tokenizer of each model named there (``tokenizer_for``).
+    tokenizers: dict[str, PromptTokenizer] = field(default_factory=dict)
+
+    def tokenizer_for(self, model: str | None) -> PromptTokenizer:
+        """The tokenizer of requests for ``model``: its own (--model-tokenizer), its base
+        model's for a LoRA adapter, else the default one."""
+        tokenizers = self.tokenizers
+        if not tokenizers or model is None:
+            return self.tokenizer
+        tok = tokenizers.get(model)
+        if tok is None:
+            served = self.registry.known_models().get(model)
+            if served is not None and served.is_adapter and served.parent is not None:
+                tok = tokenizers.get(served.parent)
+        return self.tokenizer if tok is None else tok
+
+    def all_tokenizers(self) -> list[PromptTokenizer]:
+        """Every tokenizer requests may use, each once, the default first."""
+        out = [self.tokenizer]
+        for tok in self.tokenizers.values():
+            if all(tok is not t for t in out):
+                out.append(tok)
+        return out
+
+    def settle_tails(self) -> None:
+        """Decide first: every prompt routed early is in the index (each tokenizer's)."""
+        if not self.tokenizers:
+            self.tokenizer.tails.settle()
+            return
+        for tok in self.all_tokenizers():
+            tok.tails.settle()
 
     @functools.cached_property
     def byte_tokens(self) -> bool:
@@ -100,7 +138,7 @@ class RouterState:
                 "bytes_per_token": None if self.budget is None else self.budget.bytes_per_token,
                 "prompts_in_flight": getattr(self.policy, "prompts_in_flight", None),
             },
-            "tokenizer": self.tokenizer.cache_stats(),
+            "tokenizer": _summed([t.cache_stats() for t in self.all_tokenizers()]),
             "ttft_predictions": self.metrics.prediction_stats() if self.metrics else None,
             "asyncio_tasks": _task_count(),
         }
@@ -196,28 +234,63 @@ def _task_count() -> int:
         return 0
 
 
+def _summed(stats: list[dict[str, float]]) -> dict[str, float]:
+    """Several tokenizers' cache counters as one (the hit rate over all of them)."""
+    if len(stats) == 1:
+        return stats[0]
+    out = {k: sum(s[k] for s in stats) for k in stats[0]}
+    total = out["hits"] + out["misses"]
+    out["hit_rate"] = out["hits"] / total if total else 0.0
+    return out
+
+
+def load_tokenizers(
+    settings: Settings, tokenizer: PromptTokenizer | None = None
+) -> tuple[PromptTokenizer, dict[str, PromptTokenizer]]:
+    """The default tokenizer (``tokenizer`` if given) and one per --model-tokenizer
+    model; a model ID is resolved to its snapshot in the Hugging Face cache, downloaded
+    if need be. Models whose tokenizers resolve to one directory share one tokenizer."""
+    loaded: dict[str, PromptTokenizer] = {}
+
+    def load(spec: str | None, revision: str | None, flag: str) -> PromptTokenizer:
+        directory = spec
+        if spec is not None:
+            directory = resolve_tokenizer(spec, revision)
+            if directory != spec:
+                log.info("%s %s: %s", flag, spec, directory)
+        key = "" if directory is None else os.path.realpath(directory)
+        if key not in loaded:
+            loaded[key] = PromptTokenizer(
+                directory,
+                settings.tokenizer_cache_size,
+                cache_bytes=settings.tokenizer_cache_bytes,
+                trust_request_chat_template=settings.trust_request_chat_template,
+                template_timeout_s=settings.chat_template_timeout_secs,
+                native_segments=not settings.decide_first,
+            )
+        return loaded[key]
+
+    if tokenizer is None:
+        tokenizer = load(settings.tokenizer, settings.tokenizer_revision, "--tokenizer")
+    elif tokenizer.tokenizer_dir is not None:
+        loaded[os.path.realpath(tokenizer.tokenizer_dir)] = tokenizer
+    per_model = {
+        model: load(spec, None, f"--model-tokenizer {model}=")
+        for model, spec in parse_model_tokenizers(settings.model_tokenizer).items()
+    }
+    return tokenizer, per_model
+
+
 def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) -> RouterState:
-    directory = settings.tokenizer
-    if tokenizer is None and directory is not None:
-        # A model ID: its snapshot in the Hugging Face cache, downloaded if need be.
-        directory = resolve_tokenizer(directory, settings.tokenizer_revision)
-        if directory != settings.tokenizer:
-            log.info("--tokenizer %s: %s", settings.tokenizer, directory)
-    tokenizer = tokenizer or PromptTokenizer(
-        directory,
-        settings.tokenizer_cache_size,
-        cache_bytes=settings.tokenizer_cache_bytes,
-        trust_request_chat_template=settings.trust_request_chat_template,
-        template_timeout_s=settings.chat_template_timeout_secs,
-        native_segments=not settings.decide_first,
-    )
+    tokenizer, per_model = load_tokenizers(settings, tokenizer)
+    every = [tokenizer, *per_model.values()]
     budget = None
     index: Any
     if settings.max_tree_size is None:
         budget = IndexBudget(
             settings.tree_size_fallback,
             settings.max_total_tree_size,
-            index_in_bytes=tokenizer.uses_bytes,
+            index_in_bytes=all(t.uses_bytes for t in every),
             learn_scale=True,
             # Replicas sharing a store must set the same budgets: one scale for all.
             follows=bool(settings.state_store),
@@ -227,7 +300,7 @@ def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) ->
     # Without a tokenizer, prompts are UTF-8 bytes: kept a byte each (a quarter of the
     # memory a walk reads), unless the store's digests or the engines' events (token IDs
     # and u32 partition tokens) key the index, or the clients send token IDs.
-    byte_tokens = tokenizer.uses_bytes and not (
+    byte_tokens = all(t.uses_bytes for t in every) and not (
         settings.state_store or settings.kv_events or settings.token_id_prompts
     )
     if settings.state_store:
@@ -277,6 +350,7 @@ def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) ->
         quarantine=Quarantine(settings.quarantine_secs),
     )
     state.work = work
+    state.tokenizers = per_model
     state.metrics = RouterMetrics(state.snapshot)
     work.on_observe = state.metrics.observe_prediction
     state.admission.on_reject = lambda reason: state.metrics.rejected.labels(reason).inc()
@@ -348,13 +422,25 @@ def setup_store(state: RouterState) -> None:
         heartbeat_s=s.state_store_heartbeat_secs,
         stream_len=s.state_store_stream_len,
         work=state.work,
-        keying=state.tokenizer.keying,
+        keying=keying(state),
         budget=state.budget,
     )
     state.store = store
     state.registry.peer_load = store.peer_load
     state.work.peer = store.peer_load
     state.metrics.registry.register(StoreCollector(store))
+
+
+def keying(state: RouterState) -> str:
+    """What this router's index keys are made of (``PromptTokenizer.keying``), with
+    every --model-tokenizer model's: replicas compare it before applying each other's
+    decisions."""
+    if not state.tokenizers:
+        return state.tokenizer.keying
+    parts = [state.tokenizer.keying] + [
+        f"{model}={tok.keying}" for model, tok in sorted(state.tokenizers.items())
+    ]
+    return "models:" + hashlib.blake2b(";".join(parts).encode(), digest_size=6).hexdigest()
 
 
 def _chain_on_down(state: RouterState, hook: Callable[[str], None]) -> None:

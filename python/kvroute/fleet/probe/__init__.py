@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import email.utils
 import time
+from collections.abc import Mapping
 
 import httpx
 
@@ -67,8 +68,14 @@ def clock_skew(date_header: str | None, now: float) -> float | None:
 
 
 async def probe_worker(
-    client: httpx.AsyncClient, url: str, tokenizer: PromptTokenizer, tokenizer_given: bool
+    client: httpx.AsyncClient,
+    url: str,
+    tokenizer: PromptTokenizer,
+    tokenizer_given: bool,
+    per_model: Mapping[str, PromptTokenizer] | None = None,
 ) -> WorkerReport:
+    """Every check of one worker (module doc). ``per_model``: the tokenizers of
+    ``--model-tokenizer``, compared with the engines serving those models."""
     rep = WorkerReport(url)
     before = time.time()
     try:
@@ -144,5 +151,9 @@ async def probe_worker(
         vllm_settings(rep, metrics)
         rep.kv_event_sources = await get_body(client, url + "/kv_event_sources")
     await probe_cache(client, rep, metrics, max_len)
-    await compare_tokenizer(client, rep, tokenizer, tokenizer_given)
+    own = per_model.get(rep.model) if per_model and rep.model is not None else None
+    if own is not None:
+        await compare_tokenizer(client, rep, own, True)
+    else:
+        await compare_tokenizer(client, rep, tokenizer, tokenizer_given)
     return rep
