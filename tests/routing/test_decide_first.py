@@ -156,3 +156,18 @@ def test_a_lengthened_head_is_a_prefix_of_the_whole_prompt(
     assert longer.hi >= len(whole) - len(longer.known)
     assert fast.finish(longer) == whole
     assert fast.lengthen(prompt, len(whole) + 1000) is None  # the piece is too short
+
+
+def test_a_prompt_without_a_tokenizer_is_its_utf8_bytes_one_id_each() -> None:
+    """A model routed on bytes (no tokenizer of its own, ``--model-tokenizer`` for the
+    others) comes back whole from ``partial``: one ID per byte."""
+    import asyncio
+
+    from kvroute.routing.tokenization import PromptTokenizer
+
+    tok = PromptTokenizer(None)
+    body = {"messages": [{"role": "user", "content": "héllo, 世界"}]}
+    prompt = asyncio.run(tok.partial("chat", body))
+    assert prompt.complete
+    assert list(prompt.known) == list(asyncio.run(tok.tokens_for("chat", body)))
+    assert list(prompt.known) == list("user: héllo, 世界\n".encode())

