@@ -257,7 +257,7 @@ def load_tokenizers(
         if spec is not None:
             directory = resolve_tokenizer(spec, revision)
             if directory != spec:
-                log.info("%s %s: %s", flag, spec, directory)
+                log.info("%s%s: %s", flag, spec, directory)
         key = "" if directory is None else os.path.realpath(directory)
         if key not in loaded:
             loaded[key] = PromptTokenizer(
@@ -271,7 +271,7 @@ def load_tokenizers(
         return loaded[key]
 
     if tokenizer is None:
-        tokenizer = load(settings.tokenizer, settings.tokenizer_revision, "--tokenizer")
+        tokenizer = load(settings.tokenizer, settings.tokenizer_revision, "--tokenizer ")
     elif tokenizer.tokenizer_dir is not None:
         loaded[os.path.realpath(tokenizer.tokenizer_dir)] = tokenizer
     per_model = {
