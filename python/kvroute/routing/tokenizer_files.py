@@ -61,6 +61,27 @@ def is_model_id(spec: str) -> bool:
     return True
 
 
+def cached_snapshot(
+    spec: str, revision: str | None = None, *, cache_dir: str | None = None
+) -> str | None:
+    """The local Hugging Face cache's snapshot of model ``spec`` at ``revision``
+    (without the network), or None when the cache has none."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return str(
+            snapshot_download(
+                spec,
+                revision=revision,
+                cache_dir=cache_dir,
+                allow_patterns=list(TOKENIZER_FILES),
+                local_files_only=True,
+            )
+        )
+    except Exception:  # not in the cache (the error names no more than that)
+        return None
+
+
 def resolve_tokenizer(
     spec: str, revision: str | None = None, *, cache_dir: str | None = None
 ) -> str:
@@ -84,19 +105,7 @@ def resolve_tokenizer(
         )
     where = cache_dir or constants.HF_HUB_CACHE
     at = f" at revision {revision!r}" if revision else ""
-    found = None
-    try:
-        found = str(
-            snapshot_download(
-                spec,
-                revision=revision,
-                cache_dir=cache_dir,
-                allow_patterns=list(TOKENIZER_FILES),
-                local_files_only=True,
-            )
-        )
-    except Exception:  # not in the cache (the error names no more than that)
-        pass
+    found = cached_snapshot(spec, revision, cache_dir=cache_dir)
     # A snapshot cached without its tokenizer (weights fetched alone) is completed below.
     if found is not None and (has_tokenizer_files(found) or constants.HF_HUB_OFFLINE):
         return found

@@ -230,11 +230,18 @@ async def compare_tokenizer(
 def _tokenizer_fix(rep: WorkerReport) -> str:
     """The ``--tokenizer`` to give kvroute: the model ID the engine loaded when it says
     so, else the directory of its model."""
-    from kvroute.routing.tokenizer_files import is_model_id
+    from kvroute.routing.tokenizer_files import cached_snapshot, has_tokenizer_files, is_model_id
 
     source = rep.tokenizer_source
     if source is not None and not os.path.isdir(source) and is_model_id(source):
-        return f"give kvroute the model the engine loaded: --tokenizer {source}"
+        found = cached_snapshot(source)
+        where = (
+            "in this host's Hugging Face cache"
+            if found is not None and has_tokenizer_files(found)
+            else "not in this host's Hugging Face cache: downloaded at start-up unless "
+            "HF_HUB_OFFLINE is set"
+        )
+        return f"give kvroute the model the engine loaded: --tokenizer {source} ({where})"
     where = f"; the engine loaded {source}" if source is not None else ""
     return (
         f"give kvroute the tokenizer of {rep.model}: --tokenizer DIR, or its Hugging Face "
