@@ -148,13 +148,12 @@ def has_tokenizer_files(tokenizer_dir: str) -> bool:
 def load_tokenizer(tokenizer_dir: str) -> Any:
     """transformers' AutoTokenizer from ``tokenizer_dir`` (offline); a directory
     without a usable tokenizer raises TokenizerLoadError with one line saying so."""
-    files = os.listdir(tokenizer_dir)
-    known = KNOWN_FILES
-    if not any(f in files for f in known):
+    if not has_tokenizer_files(tokenizer_dir):
         raise TokenizerLoadError(
             f"--tokenizer {tokenizer_dir!r}: no tokenizer files there "
-            f"(expected one of {', '.join(known)})"
+            f"(expected one of {', '.join(KNOWN_FILES)})"
         )
+    files = os.listdir(tokenizer_dir)
     for name in files:
         path = os.path.join(tokenizer_dir, name)
         if os.path.isfile(path) and not os.access(path, os.R_OK):

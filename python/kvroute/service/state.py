@@ -96,20 +96,25 @@ class RouterState:
                 tok = tokenizers.get(served.parent)
         return self.tokenizer if tok is None else tok
 
-    def all_tokenizers(self) -> list[PromptTokenizer]:
+    def all_tokenizers(self) -> tuple[PromptTokenizer, ...]:
         """Every tokenizer requests may use, each once, the default first."""
+        return self._every_tokenizer
+
+    @functools.cached_property
+    def _every_tokenizer(self) -> tuple[PromptTokenizer, ...]:
+        # The tokenizers are fixed at start-up: computed once.
         out = [self.tokenizer]
         for tok in self.tokenizers.values():
             if all(tok is not t for t in out):
                 out.append(tok)
-        return out
+        return tuple(out)
 
     def settle_tails(self) -> None:
         """Decide first: every prompt routed early is in the index (each tokenizer's)."""
         if not self.tokenizers:
             self.tokenizer.tails.settle()
             return
-        for tok in self.all_tokenizers():
+        for tok in self._every_tokenizer:
             tok.tails.settle()
 
     @functools.cached_property
@@ -138,7 +143,7 @@ class RouterState:
                 "bytes_per_token": None if self.budget is None else self.budget.bytes_per_token,
                 "prompts_in_flight": getattr(self.policy, "prompts_in_flight", None),
             },
-            "tokenizer": _summed([t.cache_stats() for t in self.all_tokenizers()]),
+            "tokenizer": _summed([t.cache_stats() for t in self._every_tokenizer]),
             "ttft_predictions": self.metrics.prediction_stats() if self.metrics else None,
             "asyncio_tasks": _task_count(),
         }
@@ -341,6 +346,7 @@ def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) ->
         policy=policy,
         registry=registry,
         tokenizer=tokenizer,
+        tokenizers=per_model,
         metrics=None,  # type: ignore[arg-type]  # set below: it needs the state
         admission=Admission(
             settings.max_concurrent_requests,
@@ -350,7 +356,6 @@ def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) ->
         quarantine=Quarantine(settings.quarantine_secs),
     )
     state.work = work
-    state.tokenizers = per_model
     state.metrics = RouterMetrics(state.snapshot)
     work.on_observe = state.metrics.observe_prediction
     state.admission.on_reject = lambda reason: state.metrics.rejected.labels(reason).inc()
