@@ -28,6 +28,9 @@ written before (several files merged). ``--learn-at-polls``: capacities learned 
 the router's engine polls, as ``serve`` learns them, not the moment a worker queues.
 ``--capacity-reported``: every engine tells its capacity from the start, as SGLang's
 ``/get_server_info`` does (``serve`` reads it; vLLM's must be learned).
+``--causal-turns``: the chat cases alone, each turn sent no sooner than the answer
+before it has ended (the open-loop draw can put many turns of one conversation in
+flight at once, which no chat client does).
 
     python bench/random_fleets.py                          # cases 0-59, as the study
     python bench/random_fleets.py --cases 7 --loads 0.8     # one case again
@@ -64,6 +67,7 @@ class Case:
     cfg: FleetConfig
     requests: list[wl.Request]
     arrive: Arrive
+    conversations: bool = False  # the chat family: each group is one conversation
 
 
 def _lognormal_outputs(rng: np.random.Generator, reqs: list[wl.Request], median: int) -> str:
@@ -165,7 +169,7 @@ def draw(seed: int, index: int) -> Case:
     )
     arrive = work_aware_shapes.bursty_at_rate if bursty else at_rate
     text = f"{', '.join(parts)}; {traffic}; {'bursty' if bursty else 'poisson'}"
-    return Case(index, text, cfg, reqs, arrive)
+    return Case(index, text, cfg, reqs, arrive, conversations=traffic.startswith("chat"))
 
 
 def _cases(spec: str) -> list[int]:
@@ -195,6 +199,13 @@ def main() -> int:
         action="store_true",
         help="every engine tells its capacity from the start, as SGLang's /get_server_info "
         "does and serve reads it (vLLM's are learned)",
+    )
+    ap.add_argument(
+        "--causal-turns",
+        action="store_true",
+        help="chat cases only (the others are skipped): a conversation's turn is sent at "
+        "its drawn time or once the answer before it has ended, whichever is later, as a "
+        "chat client sends it (FleetConfig.causal_turns)",
     )
     ap.add_argument("--json", default=None, help="write every row here")
     ap.add_argument(
@@ -231,6 +242,10 @@ def main() -> int:
             case.cfg = replace(case.cfg, learn_at_polls=True)
         if a.capacity_reported:
             case.cfg = replace(case.cfg, capacity_reported=True)
+        if a.causal_turns:
+            if not case.conversations:
+                continue
+            case.cfg = replace(case.cfg, causal_turns=True)
         prep = prepare(case.requests, case.cfg.block_size)
         tps = sum(c.prefill_tokens_per_s for c in case.cfg.costs())
         r0 = tps / (prep.prompt_tokens / len(prep.requests)) / 4

@@ -28,9 +28,10 @@ prompt, ``--groups`` x ``--prompts-per-group`` questions; defaults system 1000, 
 80, output 150 tokens) and ``mooncake``. With workload seed 0 a Poisson rate gives the
 same arrival draw as ``bench/work_aware.py --rate`` (its ``at_rate``), so the simulator
 runs the same requests.
-A heterogeneous fleet: ``--slow-workers K --slow-worker-args FLAGS`` gives the last K
-workers these sim-worker flags on top of ``--worker-args`` (the simulator's
-``heterogeneous`` also slows the last ones).
+``--causal-turns`` (chat, multiturn): each turn waits for the answer before it
+(closed-loop conversations). A heterogeneous fleet: ``--slow-workers K
+--slow-worker-args FLAGS`` gives the last K workers these sim-worker flags on top of
+``--worker-args`` (the simulator's ``heterogeneous`` also slows the last ones).
 
 Usage:
     python bench/routing_quality.py --workload gsp --groups 16 --prompts-per-group 8 \\
@@ -61,7 +62,7 @@ from kvroute.eval.quality import installed_peer_specs, kvroute_spec, run_router,
 from kvroute.sim.cost import DEFAULT_MAX_BATCH
 from kvroute.sim.fleet import prepare, upper_bound
 from kvroute.sim.report import ResultRow, markdown_table, to_json
-from kvroute.sim.workloads import gsp, llmd, mooncake, multiturn, rag
+from kvroute.sim.workloads import gsp, llmd, mooncake, multiturn, previous_turns, rag
 
 # Per-workload defaults of the length flags (the simulator's scenarios for ``chat``).
 LENGTHS = {
@@ -284,15 +285,25 @@ def main() -> int:
     )
     ap.add_argument("--json", default=None, help="write the rows as JSON to this file")
     ap.add_argument("--plot", default=None, help="write a TTFT CDF plot (PNG) to this file")
+    ap.add_argument(
+        "--causal-turns",
+        action="store_true",
+        help="chat, multiturn: each turn is sent at its arrival time or once the answer "
+        "before it has ended, whichever is later (closed-loop conversations, as chat "
+        "clients send them; the simulator's --causal-turns)",
+    )
     args = ap.parse_args()
     if not 0 <= args.slow_workers <= args.workers:
         ap.error("--slow-workers must be within [0, --workers]")
+    if args.causal_turns and args.workload not in ("chat", "multiturn"):
+        ap.error("--causal-turns needs --workload chat or multiturn")
     for k, v in LENGTHS.get(args.workload, LENGTHS["default"]).items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
 
     requests = build(args)
     bound = upper_bound(prepare(requests, 16))
+    after = previous_turns(requests) if args.causal_turns else None
     extra = tuple(args.kvroute_args.split())
     specs = []
     for item in args.policies.split(","):
@@ -341,6 +352,7 @@ def main() -> int:
                         time_scale=args.time_scale,
                         on_done=bar.update,
                         replicas=args.router_replicas if spec.kind == "kvroute" else 1,
+                        after=after,
                     )
                 rows.append(row)
                 if row.extra.get("routing"):

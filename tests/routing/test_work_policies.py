@@ -291,3 +291,57 @@ def test_pending_prompts_in_bytes_mode() -> None:
         pol.index.insert(home, bytes([65 + i]) * 1500)  # type: ignore[attr-defined]
     d2 = pol.select(RouteRequest(first + b"next turn"), loads)  # type: ignore[attr-defined]
     assert (d2.worker, d2.reason, d2.matched_tokens) == (home, "cache_hit", len(first))
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "min_ttft"])
+def test_a_prompt_is_recorded_again_when_its_request_ends(policy: str) -> None:
+    """An engine keeps a running request's blocks and, when it ends, puts them last in
+    its eviction order. A prompt pushed out of the index while its request ran is
+    recorded again at ``on_done``: the conversation's next turn, sent then, is a hit
+    where it ran (before: a miss, placed cold wherever the prediction was least)."""
+    pol = budgeted(3000, policy=policy)
+    loads = dict.fromkeys(WORKERS, 0)
+    first = tokens(1, 2000)
+    pol.index.insert("c", tokens(9, 3500))  # type: ignore[attr-defined]  # the budget has bound
+    d1 = pol.select(RouteRequest(first), loads)  # type: ignore[attr-defined]
+    home = d1.worker
+    loads[home] += 1
+    for i in range(2):  # routed to the same worker while it runs
+        pol.index.insert(home, tokens(20 + i, 1500))  # type: ignore[attr-defined]
+    assert pol.index.match(first).get(home, 0) == 0  # type: ignore[attr-defined]
+    pol.on_done(d1)  # type: ignore[attr-defined]
+    loads[home] -= 1
+    assert pol.index.match(first).get(home, 0) == 2000  # type: ignore[attr-defined]
+    assert pol.prompts_in_flight == 0  # type: ignore[attr-defined]
+    # What it displaced is what the engine evicted: the least recently used prompt.
+    assert pol.index.match(tokens(20, 1500)).get(home, 0) == 0  # type: ignore[attr-defined]
+    d2 = pol.select(RouteRequest(first + tokens(2, 300)), loads)  # type: ignore[attr-defined]
+    assert (d2.worker, d2.reason, d2.matched_tokens) == (home, "cache_hit", 2000)
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "min_ttft"])
+def test_a_refused_or_departed_prompt_is_not_recorded_again(policy: str) -> None:
+    """A worker that refused the prompt holds nothing of it (``on_rejected`` rolls the
+    insert back), and one removed from the fleet, or whose cache was flushed, has
+    nothing to refresh: ``on_done`` records nothing then."""
+    pol = budgeted(3000, policy=policy)
+    loads = dict.fromkeys(WORKERS, 0)
+    pol.index.insert("c", tokens(9, 3500))  # type: ignore[attr-defined]
+    first = tokens(1, 2000)
+    d = pol.select(RouteRequest(first), loads)  # type: ignore[attr-defined]
+    pol.on_rejected(d, first)  # type: ignore[attr-defined]
+    assert pol.index.match(first).get(d.worker, 0) == 0  # type: ignore[attr-defined]
+    pol.on_done(d)  # type: ignore[attr-defined]
+    assert pol.index.match(first).get(d.worker, 0) == 0  # type: ignore[attr-defined]
+
+    d = pol.select(RouteRequest(first), loads)  # type: ignore[attr-defined]
+    pol.on_worker_removed(d.worker)  # type: ignore[attr-defined]
+    pol.on_done(d)  # type: ignore[attr-defined]
+    assert d.worker not in pol.index.workers()  # type: ignore[attr-defined]
+    assert pol.prompts_in_flight == 0  # type: ignore[attr-defined]
+
+    second = tokens(3, 2000)
+    d = pol.select(RouteRequest(second), loads)  # type: ignore[attr-defined]
+    pol.clear()  # type: ignore[attr-defined]
+    pol.on_done(d)  # type: ignore[attr-defined]
+    assert pol.index.match(second) == {}  # type: ignore[attr-defined]

@@ -180,6 +180,14 @@ def configure(p: argparse.ArgumentParser) -> None:
         "(AllBlocksCleared); its running requests carry on, so health checks see "
         "nothing (default: never)",
     )
+    d.add_argument(
+        "--causal-turns",
+        action="store_true",
+        help="multiturn only: each turn is sent at its drawn arrival time or when the "
+        "answer before it has ended, whichever is later, as a chat client sends it "
+        "(default: every turn at its drawn time, so one conversation can have several "
+        "turns in flight at once)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -249,6 +257,7 @@ def fleet_config(args: argparse.Namespace) -> Any:
         router_replicas=getattr(args, "router_replicas", 1),
         bypass_fraction=getattr(args, "bypass_fraction", 0.0),
         restart_every_s=getattr(args, "restart_every", None),
+        causal_turns=getattr(args, "causal_turns", False),
         engine_poll_s=getattr(args, "health_check_interval_secs", 5.0),
         seed=args.seed,
     )
@@ -269,6 +278,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--health-check-interval-secs must be > 0")
         if args.restart_every is not None and not args.restart_every > 0:
             raise ValueError("--restart-every must be > 0")
+        if args.causal_turns and (args.workload or ("mooncake" if args.trace else "gsp")) != (
+            "multiturn"
+        ):
+            raise ValueError("--causal-turns needs --workload multiturn (turns of conversations)")
         policies = [p.strip() for p in args.policies.split(",") if p.strip()]
         if not policies:
             raise ValueError("--policies is empty")

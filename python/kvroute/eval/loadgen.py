@@ -42,6 +42,7 @@ class Outcome:
     cached_tokens: int
     output_tokens: int
     error: str = ""
+    sent_s: float = 0.0  # when it was sent, seconds from the replay's start (wall time)
 
 
 def tokens_to_text(tokens: Sequence[int]) -> str:
@@ -122,6 +123,7 @@ async def replay(
     timeout_s: float = 600.0,
     on_done: Callable[[], None] | None = None,
     as_text: bool = True,
+    after: Sequence[int | None] | None = None,
 ) -> tuple[list[Outcome], float]:
     """Send ``requests`` to ``url`` at their arrival times divided by ``time_scale``.
 
@@ -131,6 +133,9 @@ async def replay(
     ``as_text``: send the prompt as text (one character per token, see
     ``tokens_to_text``) rather than as a token-ID list.
     ``max_in_flight`` bounds open connections; arrivals past it wait for a slot.
+    ``after`` (closed-loop conversations, ``kvroute.sim.workloads.previous_turns``):
+    request ``i`` is sent no sooner than request ``after[i]`` has ended (None: at its
+    time alone), as a chat client sends a turn once it has read the answer before it.
     """
     limits = httpx.Limits(max_connections=max_in_flight, max_keepalive_connections=max_in_flight)
     sem = asyncio.Semaphore(max_in_flight)
@@ -140,13 +145,25 @@ async def replay(
         t0 = time.perf_counter()
 
         urls = [url] if isinstance(url, str) else list(url)
+        if after is not None and len(after) != len(requests):
+            raise ValueError("after must name one predecessor (or None) per request")
+        ended = [asyncio.Event() for _ in requests] if after is not None else []
 
         async def launch(i: int, req: ReplayRequest) -> Outcome:
+            before = after[i] if after is not None else None
+            if before is not None:
+                await ended[before].wait()
             delay = req.arrival_s / time_scale - (time.perf_counter() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
-            async with sem:
-                out = await _one(client, urls[i % len(urls)], req, model, as_text)
+            try:
+                async with sem:
+                    sent = time.perf_counter() - t0
+                    out = await _one(client, urls[i % len(urls)], req, model, as_text)
+                    out.sent_s = sent
+            finally:
+                if ended:
+                    ended[i].set()
             if on_done is not None:
                 on_done()
             return out

@@ -292,10 +292,12 @@ def run_router(
     time_scale: float = 1.0,
     on_done: Callable[[], None] | None = None,
     replicas: int = 1,
+    after: Sequence[int | None] | None = None,
 ) -> ResultRow:
     """One row; times in model seconds (client wall time x ``time_scale``).
     ``extra["routing"]`` holds the router's CPU seconds and, for kvroute, its decision
-    and reuse counters (summed over ``replicas`` routers, dealt requests in turn)."""
+    and reuse counters (summed over ``replicas`` routers, dealt requests in turn).
+    ``after``: closed-loop conversations (``replay``'s)."""
     reset_workers(workers)
     routers: list[Server] = []
     try:
@@ -307,7 +309,13 @@ def run_router(
             reset_workers(workers)  # the priming flushes are not part of the run
         before = served_counts(workers)
         outcomes, wall = asyncio.run(
-            replay([r.url for r in routers], requests, time_scale=time_scale, on_done=on_done)
+            replay(
+                [r.url for r in routers],
+                requests,
+                time_scale=time_scale,
+                on_done=on_done,
+                after=after,
+            )
         )
         counters = router_counters(routers, spec)
         if spec.kv_events:

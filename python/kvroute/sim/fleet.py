@@ -69,7 +69,7 @@ from kvroute.sim.cache import Handle, PrefixCache, block_keys_batch, sequence
 from kvroute.sim.cost import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_TOKENS, CostModel
 from kvroute.sim.report import ResultRow, summarize
 from kvroute.sim.routers import InstantEvents, PolicyFactory, RouterTier, bypass_plan
-from kvroute.sim.workloads import Request
+from kvroute.sim.workloads import Request, previous_turns
 
 EVENTS_SUFFIX = "+events"
 
@@ -132,6 +132,13 @@ class FleetConfig:
     # reach the others this much later; None: no store (kvroute.sim.routers).
     state_store_delay_s: float | None = None
     state_store_heartbeat_s: float = 0.5
+    # Requests of one group are the turns of one conversation (``workloads.multiturn``),
+    # and a turn's prompt holds the answer to the one before: it is sent at its drawn
+    # arrival time or when that answer has ended, whichever is later, as a chat client
+    # or an agent sends it. Off: every request at its drawn time (open loop), so a
+    # conversation can have several of its turns in flight at once. Groups below 0
+    # (one-off prompts) are never chained.
+    causal_turns: bool = False
     seed: int = 0
 
     def costs(self) -> list[CostModel]:
@@ -232,8 +239,9 @@ def simulate(
     """Run ``prep`` through a fresh fleet routed by ``policy``; one result row.
 
     ``record``: also return, in ``extra``, each request's worker index (``assigned``),
-    cached prompt tokens (``cached``) and TTFT in seconds (``ttft``), in arrival order
-    (to compare with the HTTP path).
+    cached prompt tokens (``cached``), TTFT and end-to-end time in seconds (``ttft``,
+    ``e2e``) and when it was sent (``sent``: its drawn arrival, or later with
+    ``causal_turns``), in the order of ``prep.requests`` (to compare with the HTTP path).
     """
     if prep.block_size != cfg.block_size:
         raise ValueError("workload prepared with a different block size")
@@ -278,7 +286,17 @@ def simulate(
     reqs = prep.requests
     keys = prep.keys
     nreq = len(reqs)
-    arrivals = [r.arrival_s for r in reqs]
+    arrivals = [r.arrival_s for r in reqs]  # when each request is sent
+    # Causal turns: each turn's next one in its conversation, sent once it has ended.
+    follows: dict[int, int] = {}
+    if cfg.causal_turns:
+        for turn, before in enumerate(previous_turns(reqs)):
+            if before is not None:
+                follows[before] = turn
+    # (time, request): requests to send; a next turn is pushed when its predecessor ends.
+    chained = set(follows.values())
+    sends = [(arrivals[r], r) for r in range(nreq) if r not in chained]
+    heapq.heapify(sends)
     assigned = [0] * nreq
     handles: list[Handle | None] = [None] * nreq
     ttft = [0.0] * nreq
@@ -356,15 +374,14 @@ def simulate(
         interval[r] = cost.decode_interval_s(running[w])
         done = first + cost.decode_s(req.output_len, running[w])
         done_at[r] = done
-        ttft[r] = first - req.arrival_s
-        e2e[r] = done - req.arrival_s
+        ttft[r] = first - arrivals[r]
+        e2e[r] = done - arrivals[r]
         if bypass[r] < 0:
             heapq.heappush(heap, (first, r, -1 - w))
         schedule(r, w)
 
-    nxt = 0
-    while nxt < nreq or heap:
-        upcoming = min(heap[0][0] if heap else np.inf, arrivals[nxt] if nxt < nreq else np.inf)
+    while sends or heap:
+        upcoming = min(heap[0][0] if heap else np.inf, sends[0][0] if sends else np.inf)
         if next_poll <= upcoming:
             if learner is not None and cfg.learn_at_polls:
                 for i in range(nw):
@@ -377,7 +394,7 @@ def simulate(
             restarts += 1
             next_restart += cast(float, restart_every)
             continue
-        if heap and (nxt >= nreq or heap[0][0] <= arrivals[nxt]):
+        if heap and (not sends or heap[0][0] <= sends[0][0]):
             now, r, w = heapq.heappop(heap)
             if w < 0:
                 tier.first_byte(r, now)
@@ -397,10 +414,12 @@ def simulate(
             tier.done(r, now, reqs[r].output_len)
             if queues[w]:
                 admit(w, queues[w].popleft(), now)
+            after = follows.get(r)
+            if after is not None:
+                arrivals[after] = max(arrivals[after], now)
+                heapq.heappush(sends, (arrivals[after], after))
             continue
-        r = nxt
-        nxt += 1
-        now = arrivals[r]
+        now, r = heapq.heappop(sends)
         w = bypass[r]
         if w < 0:
             t0 = perf()
@@ -455,6 +474,8 @@ def simulate(
         extra["assigned"] = assigned
         extra["cached"] = cached_per
         extra["ttft"] = ttft
+        extra["sent"] = arrivals
+        extra["e2e"] = e2e
     prompt_tokens = prep.prompt_tokens
     output_tokens = sum(r.output_len for r in reqs)
     end = max((arrivals[i] + e2e[i] for i in range(nreq)), default=0.0)

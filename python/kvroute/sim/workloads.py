@@ -40,7 +40,7 @@ Arrival processes (``arrivals``): ``"burst"`` (everything at t=0), ``"poisson"``
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -201,6 +201,21 @@ def multiturn(
             # The next turn carries this turn's answer (what the model said) in its prompt.
             history[c] = np.concatenate((prompt, _draw(rng, output_len)))
     return with_arrivals(out, arrivals, rate, seed)
+
+
+def previous_turns(requests: Sequence[Request]) -> list[int | None]:
+    """For each request, the index of the one before it in its conversation (the same
+    ``group`` >= 0, in list order), or None: a conversation's first turn, or a one-off
+    prompt (``group`` < 0). For workloads whose groups are conversations (``multiturn``)."""
+    last: dict[int, int] = {}
+    out: list[int | None] = []
+    for i, req in enumerate(requests):
+        if req.group < 0:
+            out.append(None)
+            continue
+        out.append(last.get(req.group))
+        last[req.group] = i
+    return out
 
 
 class _BlockBook:

@@ -106,24 +106,45 @@ class PendingPrompts:
     """Prompts routed and not yet ended, each under its own ticket ``<worker>\\0<n>`` in
     an unbounded index of the routing index's kind (bytes or token IDs): what an engine
     holds whatever the router's budgeted index forgot, since it never evicts the blocks
-    of a request it is running (``cache_aware``'s module doc). Memory: the prompts in
-    flight, shared prefixes once."""
+    of a request it is running (``cache_aware``'s module doc). Each prompt is also kept
+    whole until its request ends, for the index to record again then
+    (``KeepsPromptsInFlight.on_done``). Memory: the prompts in flight."""
 
-    __slots__ = ("_index", "_n")
+    __slots__ = ("_index", "_n", "_prompts")
 
     def __init__(self, byte_tokens: bool = False) -> None:
         self._index = PrefixIndex(None, byte_tokens=byte_tokens)
         self._n = 0
+        # ticket -> the prompt, until its request ends (dropped if the worker refused it,
+        # left the fleet or had its cache flushed: it then holds nothing to refresh).
+        self._prompts: dict[str, Sequence[int] | TokenIds | bytes] = {}
 
     def add(self, worker: str, tokens: Sequence[int] | TokenIds | bytes) -> str:
         """Keep ``tokens`` as in flight on ``worker``; the ticket to ``end`` it with."""
         self._n += 1
         ticket = f"{worker}\0{self._n}"
         self._index.insert(ticket, tokens)
+        self._prompts[ticket] = tokens
         return ticket
 
-    def end(self, ticket: str) -> None:
+    def end(self, ticket: str) -> Sequence[int] | TokenIds | bytes | None:
+        """The request ended: no longer in flight. Its prompt, unless ``forget`` dropped it."""
         self._index.remove_worker(ticket)
+        return self._prompts.pop(ticket, None)
+
+    def forget(self, ticket: str) -> None:
+        """The worker does not hold this prompt (it refused it): nothing to refresh."""
+        self._prompts.pop(ticket, None)
+
+    def forget_worker(self, worker: str | None = None) -> None:
+        """``worker`` (None: every worker) left or lost its cache: its prompts in flight
+        are not refreshed when they end (they still count as in flight until then)."""
+        if worker is None:
+            self._prompts.clear()
+            return
+        head = f"{worker}\0"
+        for ticket in [t for t in self._prompts if t.startswith(head)]:
+            del self._prompts[ticket]
 
     def per_worker(self, tokens: Sequence[int] | TokenIds | bytes) -> dict[str, int]:
         """Per worker, the longest prefix of ``tokens`` a prompt in flight there shares."""
@@ -175,5 +196,24 @@ class KeepsPromptsInFlight:
         return len(self._pending)
 
     def on_done(self, decision: Decision) -> None:
+        """The request ended: its prompt leaves the prompts in flight and is recorded in
+        the index again, now. An engine keeps a running request's blocks whatever else
+        it evicts and, when the request ends, puts them last in its eviction order
+        (vLLM frees them most recent last, SGLang's radix cache stamps them then). The
+        index stamped the prompt when it was routed; where the budget binds, the prompts
+        routed while it ran had pushed it out, and the next turn of a conversation, sent
+        when this answer ended, was taken for a miss at the worker still holding it all
+        (``docs/studies/work-aware.md``, "The index forgot the turn that had just ended").
+        With a shared store the refresh is published like a decision, so the replicas'
+        indexes evict alike."""
         if decision.ticket is not None:
-            self._pending.end(decision.ticket)
+            prompt = self._pending.end(decision.ticket)
+            if prompt is not None:
+                self.index.insert(decision.worker, prompt)
+
+    def on_rejected(self, decision: Decision, tokens: Sequence[int]) -> None:
+        """The worker refused the prompt: it does not hold what was inserted for it."""
+        if decision.held_before is not None:
+            self.index.rollback(decision.worker, tokens, decision.held_before)
+        if decision.ticket is not None:
+            self._pending.forget(decision.ticket)

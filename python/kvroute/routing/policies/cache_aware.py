@@ -43,9 +43,12 @@ previous turn was still decoding, or a request sharing a long prefix with one st
 running, was taken for a miss and prefilled cold elsewhere. Once the index has evicted
 anything (``evicted_tokens``), each routed prompt is also kept in the index of pending
 prompts until its request ends (``on_done``), and a worker's match, for the rule and for
-the predictions alike, is the longer of the two. Before any eviction every routed
-prompt is still in the index and nothing more is kept. ``pending_prompts=False`` turns
-it off; ``--load-metric requests`` keeps the rule's index alone.
+the predictions alike, is the longer of the two. When the request ends its prompt is
+recorded in the index again, as the engine then puts its blocks last in its eviction
+order: the next turn of a conversation, sent when the answer ends, finds it there.
+Before any eviction every routed prompt is still in the index and nothing more is kept.
+``pending_prompts=False`` turns it off; ``--load-metric requests`` keeps the rule's
+index alone.
 
 Load metric (``load_metric``, ``--load-metric``). ``requests`` is the rule above,
 exactly, ties rotating with one cursor as earlier versions did. ``work`` (default) keeps
@@ -319,11 +322,6 @@ class CacheAware(KeepsPromptsInFlight, Policy):
                 decision.ticket = self._pending.add(decision.worker, tokens)
         return decision
 
-    def on_rejected(self, decision: Decision, tokens: Sequence[int]) -> None:
-        """The worker refused the prompt: it does not hold what was inserted for it."""
-        if decision.held_before is not None:
-            self.index.rollback(decision.worker, tokens, decision.held_before)
-
     def _full(self, worker: str, loads: Mapping[str, int]) -> bool:
         cap = self.worker_capacity
         if cap is None:
@@ -335,6 +333,8 @@ class CacheAware(KeepsPromptsInFlight, Policy):
 
     def on_worker_removed(self, worker: str) -> None:
         self.index.remove_worker(worker)
+        self._pending.forget_worker(worker)
 
     def clear(self) -> None:
         self.index.clear()
+        self._pending.forget_worker()

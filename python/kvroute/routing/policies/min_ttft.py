@@ -124,7 +124,7 @@ class MinTtft(KeepsPromptsInFlight, Policy):
             reason = "overflow"
         decision = Decision(worker, reason, matched, cached_tokens=matched)
         if n:
-            self.index.insert(worker, tokens)
+            decision.held_before = self.index.insert(worker, tokens)
             if track or self._budget_evicted():
                 decision.ticket = self._pending.add(worker, tokens)
         return decision
@@ -140,6 +140,8 @@ class MinTtft(KeepsPromptsInFlight, Policy):
 
     def on_worker_removed(self, worker: str) -> None:
         self.index.remove_worker(worker)
+        self._pending.forget_worker(worker)
 
     def clear(self) -> None:
         self.index.clear()
+        self._pending.forget_worker()
