@@ -203,7 +203,7 @@ class KeepsPromptsInFlight:
         index stamped the prompt when it was routed; where the budget binds, the prompts
         routed while it ran had pushed it out, and the next turn of a conversation, sent
         when this answer ended, was taken for a miss at the worker still holding it all
-        (``docs/studies/work-aware.md``, "The index forgot the turn that had just ended").
+        (``docs/studies/work-aware.md``, "Closed-loop conversations").
         With a shared store the refresh is published like a decision, so the replicas'
         indexes evict alike."""
         if decision.ticket is not None:
