@@ -80,7 +80,8 @@ def _lognormal_outputs(rng: np.random.Generator, reqs: list[wl.Request], median:
     return f"output log-normal({median}, {shape:.1f})"
 
 
-def _traffic(rng: np.random.Generator, seed: int) -> tuple[str, list[wl.Request]]:
+def _traffic(rng: np.random.Generator, seed: int) -> tuple[str, str, list[wl.Request]]:
+    """(family, description, requests) of one case's traffic."""
     family = str(rng.choice(["gsp", "rag", "chat", "mixed", "llmd"]))
     out = int(rng.choice([64, 150, 400]))
     if family == "gsp":
@@ -131,7 +132,7 @@ def _traffic(rng: np.random.Generator, seed: int) -> tuple[str, list[wl.Request]
         groups = int(rng.choice([60, 150]))
         reqs = wl.llmd(groups, max(2, 750 // groups), 6000, 1200, out, seed=seed)
         text = f"llm-d {groups} groups"
-    return f"{text}; {_lognormal_outputs(rng, reqs, out)}", reqs
+    return family, f"{text}; {_lognormal_outputs(rng, reqs, out)}", reqs
 
 
 def draw(seed: int, index: int) -> Case:
@@ -159,7 +160,7 @@ def draw(seed: int, index: int) -> Case:
         for s, b in zip(speeds, batches, strict=True)
     )
     bursty = rng.random() < 0.3
-    traffic, reqs = _traffic(rng, seed * 1000 + index)
+    family, traffic, reqs = _traffic(rng, seed * 1000 + index)
     cfg = FleetConfig(
         workers=workers,
         worker_costs=costs,
@@ -169,7 +170,7 @@ def draw(seed: int, index: int) -> Case:
     )
     arrive = work_aware_shapes.bursty_at_rate if bursty else at_rate
     text = f"{', '.join(parts)}; {traffic}; {'bursty' if bursty else 'poisson'}"
-    return Case(index, text, cfg, reqs, arrive, conversations=traffic.startswith("chat"))
+    return Case(index, text, cfg, reqs, arrive, conversations=family == "chat")
 
 
 def _cases(spec: str) -> list[int]:

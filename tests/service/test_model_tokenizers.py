@@ -78,7 +78,7 @@ def test_an_adapter_takes_its_base_model_s_tokenizer_and_one_directory_loads_onc
     assert state.tokenizer_for("qwen-copy") is qwen  # one directory, one tokenizer
     assert state.tokenizer_for("other") is state.tokenizer  # the default: bytes here
     assert state.tokenizer_for(None) is state.tokenizer and state.tokenizer.uses_bytes
-    assert len(state.all_tokenizers()) == 2
+    assert len(state.all_tokenizers) == 2
     # Replicas compare what their indexes are keyed by, every model's tokenizer in it.
     assert keying(state) != state.tokenizer.keying
     alone = build_state(Settings(worker_urls=["http://127.0.0.1:9"]).validate())

@@ -42,7 +42,7 @@ class EarlyRouting:
         st = state.settings
         # With a tokenizer per model, the prompts of a model without the fast BPE come
         # back whole from ``partial`` and are routed as without decide first.
-        fast = any(t.fast for t in state.all_tokenizers())
+        fast = any(t.fast for t in state.all_tokenizers)
         return bool(st.decide_first and fast and not st.kv_events and not st.state_store)
 
     async def tokens(

@@ -96,13 +96,10 @@ class RouterState:
                 tok = tokenizers.get(served.parent)
         return self.tokenizer if tok is None else tok
 
-    def all_tokenizers(self) -> tuple[PromptTokenizer, ...]:
-        """Every tokenizer requests may use, each once, the default first."""
-        return self._every_tokenizer
-
     @functools.cached_property
-    def _every_tokenizer(self) -> tuple[PromptTokenizer, ...]:
-        # The tokenizers are fixed at start-up: computed once.
+    def all_tokenizers(self) -> tuple[PromptTokenizer, ...]:
+        """Every tokenizer requests may use, each once, the default first (fixed at
+        start-up: computed once)."""
         out = [self.tokenizer]
         for tok in self.tokenizers.values():
             if all(tok is not t for t in out):
@@ -111,10 +108,7 @@ class RouterState:
 
     def settle_tails(self) -> None:
         """Decide first: every prompt routed early is in the index (each tokenizer's)."""
-        if not self.tokenizers:
-            self.tokenizer.tails.settle()
-            return
-        for tok in self._every_tokenizer:
+        for tok in self.all_tokenizers:
             tok.tails.settle()
 
     @functools.cached_property
@@ -143,7 +137,7 @@ class RouterState:
                 "bytes_per_token": None if self.budget is None else self.budget.bytes_per_token,
                 "prompts_in_flight": getattr(self.policy, "prompts_in_flight", None),
             },
-            "tokenizer": _summed([t.cache_stats() for t in self._every_tokenizer]),
+            "tokenizer": _summed([t.cache_stats() for t in self.all_tokenizers]),
             "ttft_predictions": self.metrics.prediction_stats() if self.metrics else None,
             "asyncio_tasks": _task_count(),
         }

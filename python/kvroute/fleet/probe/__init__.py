@@ -152,8 +152,5 @@ async def probe_worker(
         rep.kv_event_sources = await get_body(client, url + "/kv_event_sources")
     await probe_cache(client, rep, metrics, max_len)
     own = per_model.get(rep.model) if per_model and rep.model is not None else None
-    if own is not None:
-        await compare_tokenizer(client, rep, own, True)
-    else:
-        await compare_tokenizer(client, rep, tokenizer, tokenizer_given)
+    await compare_tokenizer(client, rep, own or tokenizer, own is not None or tokenizer_given)
     return rep
