@@ -208,6 +208,14 @@ def main() -> int:
         "its drawn time or once the answer before it has ended, whichever is later, as a "
         "chat client sends it (FleetConfig.causal_turns)",
     )
+    ap.add_argument(
+        "--no-kv-admission",
+        dest="kv_admission",
+        action="store_false",
+        help="workers start a request whenever a decode slot is free, even if its prompt "
+        "does not fit in the KV cache beside the running ones (the simulator's model "
+        "before FleetConfig.kv_admission)",
+    )
     ap.add_argument("--json", default=None, help="write every row here")
     ap.add_argument(
         "--summarize",
@@ -243,6 +251,8 @@ def main() -> int:
             case.cfg = replace(case.cfg, learn_at_polls=True)
         if a.capacity_reported:
             case.cfg = replace(case.cfg, capacity_reported=True)
+        if not a.kv_admission:
+            case.cfg = replace(case.cfg, kv_admission=False)
         if a.causal_turns:
             if not case.conversations:
                 continue

@@ -29,6 +29,7 @@ import numpy as np
 
 from kvroute.config import parse_worker_capacity
 from kvroute.fleet.shared import DigestIndex
+from kvroute.fleet.shared.publishing import LOAD_LINGER_S
 from kvroute.routing.policies.base import Decision, RouteRequest
 from kvroute.routing.policies.cache_aware import CacheAware
 from kvroute.sim.cost import CostModel
@@ -101,7 +102,7 @@ def _diagnose() -> None:
         if self.shared:
             self._sync(now)
             k = self._next
-            for _, j, w, load in self._work_wire:
+            for _, j, w, load, *_ in self._work_wire:
                 if j != k:
                     unseen.add(w)
                     if load[0] > self._heard[k].get((j, w), (0, 0, 0))[0]:
@@ -134,7 +135,8 @@ def _release_delay(seconds: float) -> None:
             grew = load[0] > last.get(worker, (0, 0, 0))[0]
             last[worker] = load
             at = self._now + (self.store_delay_s if grew else seconds)
-            bisect.insort(self._work_wire, (at, k, worker, load), key=lambda e: e[0])
+            ends = self.work[k].decoding_ends(worker, self._now)
+            bisect.insort(self._work_wire, (at, k, worker, load, ends), key=lambda e: e[0])
 
         return publish
 
@@ -150,6 +152,13 @@ def main() -> int:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--store-delay-ms", type=float, default=2.0)
     ap.add_argument("--heartbeat-ms", type=float, default=500.0, help="heartbeat period")
+    ap.add_argument(
+        "--linger-ms",
+        type=float,
+        default=LOAD_LINGER_S * 1000,
+        help="how long a load change alone waits for company before it is written, as "
+        "serve's publisher makes it (default %(default)g; 0: each change at once)",
+    )
     ap.add_argument("--trace", default=TRACE)
     ap.add_argument("--time-scale", type=float, default=1.0)
     ap.add_argument("--worker-capacity", default="auto")
@@ -200,6 +209,7 @@ def main() -> int:
                         c,
                         state_store_delay_s=args.store_delay_ms / 1000,
                         state_store_heartbeat_s=args.heartbeat_ms / 1000,
+                        state_store_linger_s=args.linger_ms / 1000,
                     )
                 if mode.startswith("precise"):
                     policy = "cache_aware+events"

@@ -1,8 +1,9 @@
 """How a router publishes to the shared store, against a real ``redis-server``: the
 writes go out on a connection Redis does not answer (``CLIENT REPLY OFF``), every
-change made in one event-loop turn rides in one entry of the router's own stream,
-changes made in separate turns each go out at once (nothing waits for a later one),
-and the router does not read its own entries back."""
+change made in one event-loop turn rides in one entry of the router's own stream, a
+decision goes out at once with the load changes waiting, load changes alone made in
+separate turns linger and ride together, and the router does not read its own entries
+back."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import redis
 
 from kvroute.config import Settings, StoreURL
 from kvroute.fleet.registry import Registry
-from kvroute.fleet.shared import DigestIndex, StateStore, wire
+from kvroute.fleet.shared import DigestIndex, StateStore, publishing, wire
 from kvroute.routing.load import LoadModel
 from support import NEEDS_REDIS, RedisServer, cluster_flags
 
@@ -59,7 +60,7 @@ def redis_server(tmp_path: Path) -> object:
 
 
 async def test_changes_of_one_loop_turn_ride_in_one_unanswered_write(
-    redis_server: RedisServer,
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     registry = Registry(Settings(worker_urls=[W]).validate())
     registry.add(W)
@@ -91,15 +92,27 @@ async def test_changes_of_one_loop_turn_ride_in_one_unanswered_write(
         assert one[b"k"] == wire.INSERT and len(list(wire.unpack_inserts(one[b"b"]))) == 3
         assert b"p" in one  # the load change rides with the decisions
 
-        # Separate turns: each first byte goes out by itself, without waiting for more,
-        # and the store's blocked XREAD does not wake for them (not its stream).
+        # Separate turns, load changes alone (first bytes): they linger and ride in one
+        # entry, and the store's blocked XREAD does not wake for them (not its stream).
         xreads = commands(c, "xread")
-        for n, t in enumerate(tickets, 1):
+        for t in tickets:
             t.first_byte(0.1)
-            assert await until(lambda n=n: len(entries(c, store)) == before + 1 + n, within=5)
-        assert all(f[b"k"] == wire.LOAD for f in entries(c, store)[-3:])
-        assert store.counters.published == 3
+            await asyncio.sleep(0)
+        assert await until(lambda: len(entries(c, store)) == before + 2, within=5)
+        last = entries(c, store)[-1]
+        assert last[b"k"] == wire.LOAD
+        assert store.counters.published == 3  # decisions
         assert commands(c, "xread") - xreads <= 1  # a 500 ms block may end meanwhile
+
+        # A decision does not wait for the linger: it takes the waiting load along.
+        monkeypatch.setattr(publishing, "LOAD_LINGER_S", 30.0)
+        tickets[0].end(0.2)
+        await asyncio.sleep(0.5)
+        assert len(entries(c, store)) == before + 2  # the end waits (30 s linger)
+        index.insert(W, prompt(9))
+        assert await until(lambda: len(entries(c, store)) == before + 3, within=5)
+        both = entries(c, store)[-1]
+        assert both[b"k"] == wire.INSERT and b"p" in both
     finally:
         c.close()
         await store.stop()

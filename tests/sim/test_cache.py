@@ -131,6 +131,28 @@ def test_usage_counts_pinned_blocks_only() -> None:
     c.release(h)
 
 
+def test_admission_needs_room_beside_the_running_requests() -> None:
+    """A request fits when its prompt's blocks that no running request pins fit into the
+    blocks not pinned; cached blocks nobody pins count as free; alone it always fits."""
+    c = PrefixCache(10 * B, B)
+    big = toks(1, 2, 3, 4, 5, 6, extra=1)
+    assert c.fits(block_keys(big, B), len(big))
+    _, h = c.admit(big)  # 6 of 10 blocks pinned
+    other = toks(7, 8, 9, 10, 11, extra=1)  # 5 new blocks: 4 free
+    assert not c.fits(block_keys(other, B), len(other))
+    sharing = toks(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, extra=1)  # 6 pinned + 4 new
+    assert c.fits(block_keys(sharing, B), len(sharing))
+    c.release(h)  # its 6 blocks stay cached, unpinned: free to evict
+    assert c.pinned_blocks == 0 and c.num_blocks == 6
+    _, h2 = c.admit(toks(12, 13, 14, 15, 16, extra=1))
+    assert c.fits(block_keys(other, B), len(other))  # 5 new into 5 not pinned
+    too_big = toks(*range(20, 32))  # 12 blocks, more than the cache: waits for an empty one
+    assert not c.fits(block_keys(too_big, B), len(too_big))
+    c.release(h2)
+    assert c.fits(block_keys(too_big, B), len(too_big))
+    c.check_invariants()
+
+
 def test_event_callbacks() -> None:
     stored: list[tuple[list[int], int | None, list[int], int]] = []
     removed: list[list[int]] = []
@@ -206,6 +228,9 @@ def test_random_workload_against_reference_model() -> None:
             prompt = toks(*[int(x) for x in rng.integers(0, 4, int(rng.integers(1, 6)))], extra=1)
             keys = block_keys(prompt, B)
             lead = next((i for i, k in enumerate(keys) if k not in refs), len(keys))
+            pinned = sum(1 for n in refs.values() if n)
+            need = sum(1 for k in keys if not refs.get(k))
+            assert c.fits(keys, len(prompt)) == (not live or need <= cap - pinned)
             cached, h = c.admit(prompt)
             assert cached == lead * B
             for k in keys:

@@ -283,6 +283,44 @@ def test_replicas_sharing_a_store_hear_when_each_other_s_decodes_end() -> None:
     assert w not in tier.work[1].peer_ends
 
 
+def test_a_load_change_alone_lingers_and_a_decision_takes_it_along() -> None:
+    """As serve's publisher: a first byte or an end waits up to the linger for company
+    and is then written as of the linger's end; a decision of the same replica writes
+    what waits at once, with its own reservation."""
+    tier = RouterTier(
+        cache_aware,
+        worker_names(2),
+        replicas=2,
+        store_delay_s=0.1,
+        store_linger_s=1.0,
+        heartbeat_s=60,
+    )
+    written: list[tuple[float, int, str, tuple[int, int, int]]] = []
+    send = tier._send_load
+
+    def recorded(k: int, worker: str, now: float) -> None:
+        st = tier.work[k].state(worker)
+        written.append((now, k, worker, (st.requests, len(st.pending), st.prefill_tokens)))
+        send(k, worker, now)
+
+    tier._send_load = recorded  # type: ignore[method-assign]
+    w = tier.route(0, RouteRequest(tokens=prompt(3)), now=0.0, output_len=50)  # replica 0
+    assert written == [(0.0, 0, w, (1, 1, 512))]  # with its decision, at once
+    tier.first_byte(0, 0.3)  # alone: waits
+    assert len(written) == 1
+    v = tier.route(1, RouteRequest(tokens=prompt(4)), now=0.5)  # replica 1 decides
+    assert written[1] == (0.5, 1, v, (1, 1, 512))
+    tier.first_byte(1, 2.0)  # replica 0's wait ended at 1.3: written as of then
+    assert written[2] == (pytest.approx(1.3), 0, w, (1, 0, 0))
+    # Replica 1's first byte waits; its next decision takes it along at once.
+    assert len(written) == 3
+    tier.route(2, RouteRequest(tokens=prompt(5)), now=2.1)  # replica 0
+    tier.route(3, RouteRequest(tokens=prompt(6)), now=2.2)  # replica 1
+    ones = [e for e in written if e[1] == 1]
+    assert ones[-1][0] == 2.2 and any(e[2] == v and e[0] == 2.2 for e in ones)
+    assert tier._dirty == [set(), set()]
+
+
 def test_capacity_is_learned_only_at_engine_polls_as_serve_learns_it() -> None:
     """``learn_at_polls``: a worker's capacity (what the saturation guard and the work
     model's slot wait need) is learned only when an engine poll finds it queueing, as

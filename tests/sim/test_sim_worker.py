@@ -425,6 +425,45 @@ async def test_engine_queues_beyond_max_batch() -> None:
     assert engine.running == 0 and engine.waiting == 0
 
 
+async def test_engine_waits_for_kv_room_first_come_first_served() -> None:
+    """Slots free but the KV cache full of running requests' blocks: the next request
+    waits until one ends (vLLM's scheduler cannot allocate its blocks), and a small one
+    behind it waits too; a cancelled waiter gives its place up. Without KV admission
+    both start at once."""
+    cost = CostModel(max_batch=8, decode_s_per_token=0.5)
+    engine = SimEngine(SimConfig(cost=cost, time_scale=10, capacity_tokens=160, block_size=16))
+    a, b, c = Run("a", 96, 4), Run("b", 96, 4), Run("c", 16, 2)
+    task_a = asyncio.create_task(_serve(engine, a, list(range(96))))
+    await asyncio.sleep(0)
+    task_b = asyncio.create_task(_serve(engine, b, list(range(1000, 1096))))
+    gone = asyncio.create_task(_serve(engine, Run("x", 16, 2), list(range(3000, 3016))))
+    task_c = asyncio.create_task(_serve(engine, c, list(range(2000, 2016))))
+    for _ in range(1000):
+        if engine.waiting == 3:
+            break
+        await asyncio.sleep(0.001)
+    assert engine.running == 1 and engine.waiting == 3  # 6 of 10 blocks pinned, b needs 6
+    gone.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    assert engine.waiting == 2
+    await asyncio.gather(task_a, task_b, task_c)
+    assert b.queue_s >= 0.95 * (cost.prefill_s(96) + cost.decode_s(4, 1))
+    # c fitted (1 block of 4 free) but did not pass b: first come, first served.
+    assert c.queue_s >= 0.9 * (cost.prefill_s(96) + cost.decode_s(4, 1)) and c.batch == 2
+    assert engine.running == 0 and engine.waiting == 0 and engine.cache.pinned_blocks == 0
+    assert engine.cancelled == 1 and engine.served == 3
+
+    loose = SimEngine(
+        SimConfig(cost=cost, time_scale=10, capacity_tokens=160, block_size=16, kv_admission=False)
+    )
+    a2, b2 = Run("a", 96, 4), Run("b", 96, 4)
+    await asyncio.gather(
+        _serve(loose, a2, list(range(96))), _serve(loose, b2, list(range(1000, 1096)))
+    )
+    assert b2.queue_s < cost.prefill_s(96)
+
+
 async def test_engine_cancellation_releases_slot_and_blocks() -> None:
     engine = SimEngine(SimConfig(cost=CostModel(max_batch=1), time_scale=10))
     run = Run("a", 64, 1000)

@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import Any
 
-from kvroute.commands.simulate import add_output_blocks_flag
+from kvroute.commands.simulate import add_cache_model_flags
 from kvroute.sim import cost
 
 
@@ -89,7 +89,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         default=1,
         help="output tokens per streamed chunk after the first, like vLLM's (default %(default)s)",
     )
-    add_output_blocks_flag(p)
+    add_cache_model_flags(p)
     p.add_argument(
         "--no-prefix-cache",
         action="store_true",
@@ -159,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
             kv_events_replay_endpoint=args.kv_events_replay_endpoint,
             stream_interval=args.stream_interval,
             output_blocks=args.output_blocks,
+            kv_admission=args.kv_admission,
             prefix_caching=not args.no_prefix_cache,
             reports_max_running=not args.hide_max_running,
         ).validate()

@@ -15,14 +15,23 @@ from typing import Any
 from kvroute.sim import cost as c
 
 
-def add_output_blocks_flag(p: argparse.ArgumentParser) -> None:
-    """``--no-output-blocks``: the cache model's switch (shared with ``sim-worker``)."""
+def add_cache_model_flags(p: argparse.ArgumentParser) -> None:
+    """``--no-output-blocks``, ``--no-kv-admission``: the cache model's switches (shared
+    with ``sim-worker``)."""
     p.add_argument(
         "--no-output-blocks",
         dest="output_blocks",
         action="store_false",
         help="generated tokens take no KV cache blocks (vLLM caches them; this is for "
         "measuring what they change)",
+    )
+    p.add_argument(
+        "--no-kv-admission",
+        dest="kv_admission",
+        action="store_false",
+        help="start a request whenever a decode slot is free, even if its prompt's blocks "
+        "do not fit in the KV cache beside the running requests' (vLLM and SGLang wait; "
+        "this is for measuring what that changes)",
     )
 
 
@@ -71,7 +80,7 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
         "characters by default, at most sizes), whatever the engines evict",
     )
     p.add_argument("--seed", type=int, default=0)
-    add_output_blocks_flag(p)
+    add_cache_model_flags(p)
     p.add_argument(
         "--worker-capacity",
         default="auto",
@@ -254,6 +263,7 @@ def fleet_config(args: argparse.Namespace) -> Any:
         },
         learn_capacity=learn,
         output_blocks=args.output_blocks,
+        kv_admission=args.kv_admission,
         router_replicas=getattr(args, "router_replicas", 1),
         bypass_fraction=getattr(args, "bypass_fraction", 0.0),
         restart_every_s=getattr(args, "restart_every", None),

@@ -21,6 +21,16 @@
   prompt + output minus one token (``sequence``). Output blocks are what a router that
   only sees prompts cannot predict: they take capacity from cached prompts. A partial
   last block (at most one per running request) takes no capacity here.
+* Admission (``fits``): an engine starts a request only when the blocks its prompt
+  needs beyond those running requests already pin fit into what they leave free
+  (cached blocks nobody pins count as free: they are evicted to make room). A request
+  that does not fit waits, and the ones behind it too (first come, first served), as
+  vLLM's scheduler does when it cannot allocate a waiting request's blocks, and as
+  SGLang's does when its token budget is spent. Alone on its engine a request is always
+  admitted. vLLM admits a long prompt chunk by chunk and preempts the newest request
+  when a running one cannot grow; here a request needs its whole prompt's room at once
+  and a decode block that does not fit is just not cached, which is what a preempted
+  and recomputed request costs on average, without its churn.
 
 One ``OrderedDict`` holds every block in eviction order; reference counts are kept as
 two ``Counter``s (acquired, released) so that admission and release are whole-list
@@ -41,7 +51,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import compress, repeat
-from operator import not_
+from operator import eq, not_
 
 import numpy as np
 import numpy.typing as npt
@@ -216,6 +226,7 @@ class PrefixCache:
         self._acq: Counter[int] = Counter()
         self._rel: Counter[int] = Counter()
         self._running = 0
+        self._pinned = 0  # blocks with a reference count above 0
         self._generation = 0
         self.queries = 0  # prompt tokens looked up (vLLM prefix_cache_queries)
         self.hits = 0  # of which found cached (vLLM prefix_cache_hits)
@@ -238,8 +249,26 @@ class PrefixCache:
 
     @property
     def pinned_blocks(self) -> int:
-        rel = self._rel
-        return sum(1 for k, n in self._acq.items() if n != rel[k])
+        """Blocks some running request uses (kept as a count; ``check_invariants``
+        recounts it)."""
+        return self._pinned
+
+    def fits(self, keys: list[int], n_tokens: int) -> bool:
+        """Can a request with these sequence keys (``prepare``) and a prompt of
+        ``n_tokens`` start now (module doc, admission)? Its prompt's full blocks that no
+        running request pins must fit into the blocks not pinned; alone it always fits."""
+        if self._running == 0:
+            return True
+        n = min(n_tokens // self.block_size, len(keys))
+        free = self.capacity_blocks - self._pinned
+        if n <= free:
+            return True
+        acq_get, rel_get = self._acq.get, self._rel.get
+        prompt = keys[:n]
+        unpinned: int = sum(
+            map(eq, map(acq_get, prompt, repeat(0)), map(rel_get, prompt, repeat(0)))
+        )
+        return unpinned <= free
 
     def usage(self) -> float:
         """Fraction of the capacity in use by running requests (vLLM
@@ -284,13 +313,24 @@ class PrefixCache:
         Returns ``(cached_tokens, handle)``. If not every block fits (everything else
         pinned), as many leading blocks as fit are cached and pinned.
         """
+        keys, n_tokens, seq = self.prepare(tokens, output_len, namespace)
+        return self.admit_keys(keys, n_tokens, seq)
+
+    def prepare(
+        self,
+        tokens: Sequence[int] | npt.NDArray[np.uint32],
+        output_len: int = 1,
+        namespace: int = 0,
+    ) -> tuple[list[int], int, npt.NDArray[np.uint32]]:
+        """``(keys, n_tokens, sequence)`` of a request, as ``admit`` computes them: for
+        ``fits`` then ``admit_keys``."""
         if isinstance(tokens, bytes):  # no tokenizer: the prompt's UTF-8 bytes as IDs
             tokens = token_array(tokens)
         seq = sequence(tokens, output_len)
         keys = block_keys(seq, self.block_size)
         if namespace:
             keys = [k ^ namespace for k in keys]
-        return self.admit_keys(keys, len(tokens), seq)
+        return keys, len(tokens), seq
 
     def admit_keys(
         self,
@@ -320,6 +360,10 @@ class PrefixCache:
         self.queries += n_tokens
         self.hits += cached
         # Pin what is present first, so that making room cannot evict it.
+        acq_get, rel_get = self._acq.get, self._rel.get
+        self._pinned += sum(
+            map(eq, map(acq_get, present, repeat(0)), map(rel_get, present, repeat(0)))
+        )
         self._acq.update(present)
         self._running += 1
         removed: list[int] = []
@@ -332,6 +376,7 @@ class PrefixCache:
                 missing = missing[: max(room, 0)]  # the leading blocks that fit
             _drain(map(lru.__setitem__, missing, repeat(None)))
             self._acq.update(missing)
+            self._pinned += len(missing)
         complete = len(present) + len(missing) == len(keys)
         pinned = list(keys) if complete else [k for k in keys if k in lru]
         if removed and self.on_remove is not None:
@@ -369,7 +414,7 @@ class PrefixCache:
         if handle.stalled or handle.generation != self._generation:
             return
         lru = self._lru
-        acq = self._acq
+        acq, rel = self._acq, self._rel
         removed: list[int] = []
         stored: list[int] = []
         for i in range(first, upto):
@@ -382,6 +427,8 @@ class PrefixCache:
                     break
                 lru[k] = None
                 stored.append(i)
+            if acq[k] == rel[k]:
+                self._pinned += 1
             acq[k] += 1  # pinned at once: making room for the next block must not evict it
             handle.keys.append(k)
         if removed and self.on_remove is not None:
@@ -417,7 +464,9 @@ class PrefixCache:
         if handle.generation != self._generation:
             return  # the cache was cleared since; its blocks are gone
         keys = handle.keys
-        self._rel.update(keys)
+        acq, rel = self._acq, self._rel
+        rel.update(keys)
+        self._pinned -= sum(map(eq, map(acq.__getitem__, keys), map(rel.__getitem__, keys)))
         # Pinned blocks cannot have been evicted: all are present. Tail first to the end
         # of the order, so the end of a prompt is evicted before its shared beginning.
         _drain(map(self._lru.move_to_end, reversed(keys)))
@@ -425,6 +474,7 @@ class PrefixCache:
         if self._running == 0:
             self._acq.clear()  # nothing pinned: forget the counts
             self._rel.clear()
+            self._pinned = 0
         handle.keys = []
         handle.seq_keys = []
         handle.tokens = None
@@ -435,6 +485,7 @@ class PrefixCache:
         self._acq.clear()
         self._rel.clear()
         self._running = 0
+        self._pinned = 0
         self._generation += 1
         if self.on_clear is not None:
             self.on_clear()
@@ -450,6 +501,8 @@ class PrefixCache:
         assert all(self._acq[k] >= self._rel[k] for k in self._rel), "released more than pinned"
         assert set(self._acq) <= set(self._lru), "counts for a block not cached"
         assert self._running >= 0
+        rel = self._rel
+        assert self._pinned == sum(1 for k, n in self._acq.items() if n != rel[k]), "pinned count"
 
     def ref_counts(self) -> dict[int, int]:
         """Block -> number of running requests using it (for tests)."""

@@ -4,9 +4,12 @@ One ``SimEngine`` per process, driven by the HTTP app (``sim.worker``). It follo
 cost model (``sim.cost``) and the cache lifecycle (``sim.cache``) exactly as the fleet
 simulator (``sim.fleet``) does, with real (scaled) sleeps instead of a virtual clock:
 
-1. wait FIFO for one of ``max_batch`` slots (``vllm:num_requests_waiting`` meanwhile);
-2. admitted: ``PrefixCache.admit`` counts the cached prefix and stores + pins the prompt's
-   blocks (KV events for stored and evicted blocks go out now, as one batch);
+1. wait FIFO for one of ``max_batch`` slots and, with ``kv_admission``, for room for
+   its prompt's blocks in the KV cache (``PrefixCache.fits``: the head of the queue
+   waits until running requests free enough, and the rest behind it, as vLLM's
+   scheduler does); ``vllm:num_requests_waiting`` meanwhile;
+2. admitted: ``PrefixCache.admit_keys`` counts the cached prefix and stores + pins the
+   prompt's blocks (KV events for stored and evicted blocks go out now, as one batch);
 3. wait for the prefill engine (one prefill at a time, FIFO), sleep
    ``prefill_s(uncached)``; the first token is out;
 4. the other tokens follow every ``decode_interval_s(batch)``, ``batch`` = requests
@@ -36,7 +39,7 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvroute.sim.cache import OUTPUT_TOKEN_IDS, PrefixCache
+from kvroute.sim.cache import OUTPUT_TOKEN_IDS, Handle, PrefixCache
 from kvroute.sim.cost import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_TOKENS, CostModel
 from kvroute.sim.events import KVEventPublisher
 
@@ -71,6 +74,10 @@ class SimConfig:
     # keep a benchmark's client and router from being the bottleneck on long outputs.
     stream_interval: int = 1
     output_blocks: bool = True  # generated tokens take cache blocks (vLLM does)
+    # A request starts only when its prompt's blocks fit in the KV cache beside the
+    # running requests' (vLLM, SGLang); off: up to max_batch run whatever the cache
+    # holds (the model before; kept to measure what admission changes).
+    kv_admission: bool = True
     # LoRA adapters served besides ``model`` (listed by /v1/models with ``parent``).
     lora_adapters: tuple[str, ...] = ()
     # Off: no prompt reuses another's blocks, no prefix-cache counters or KV events (as
@@ -136,7 +143,8 @@ class SimEngine:
             on_remove=self._on_remove if self.publisher else None,
             on_clear=self._on_clear if self.publisher else None,
         )
-        self._slots = asyncio.Semaphore(self.cost.max_batch)
+        # Requests waiting to start, first come first served: (admitted, admit it).
+        self._queue: deque[tuple[asyncio.Future[None], _Admission]] = deque()
         self._prefill = asyncio.Lock()
         self.running = 0
         self.waiting = 0
@@ -198,24 +206,11 @@ class SimEngine:
         scale = self.scale
         cache = self.cache
         t0 = time.perf_counter()
-        self.waiting += 1
-        admitted = False
-        handle = None
+        entry = _Admission(self, run, tokens)
         try:
-            await self._slots.acquire()
-            self.waiting -= 1
-            admitted = True
-            self.running += 1
-            run.batch = self.running
-            t_admit = time.perf_counter()
-            run.queue_s = (t_admit - t0) * scale
-            if self.config.prefix_caching:
-                self._lora = run.lora
-                run.cached_tokens, handle = cache.admit(
-                    tokens, run.output_len if self.config.output_blocks else 1, run.namespace
-                )
-                self._lora = None
-            self._flush_events()
+            await self._admit(entry)
+            handle = entry.handle
+            run.queue_s = (entry.t_admit - t0) * scale
             self.prompt_tokens += run.prompt_tokens
             run.prefill_s = self.cost.prefill_s(run.prompt_tokens - run.cached_tokens)
             async with self._prefill:
@@ -256,19 +251,47 @@ class SimEngine:
             run.e2e_s = (time.perf_counter() - t0) * scale
             run.finished = True
         finally:
-            if handle is not None:
-                self.cache.release(handle)
-            if admitted:
+            if entry.admitted:
+                if entry.handle is not None:
+                    self.cache.release(entry.handle)
                 self.running -= 1
-                self._slots.release()
-            else:
-                self.waiting -= 1
+                self._wake()
             self.generation_tokens += run.output_tokens
             if run.finished:
                 self.served += 1
             else:
                 self.cancelled += 1
             self.log.append(run)
+
+    async def _admit(self, entry: _Admission) -> None:
+        """Start ``entry``'s request now if nothing waits and it fits, else queue it
+        until ``_wake`` starts it (``entry.admitted``)."""
+        if not self._queue and entry.fits():
+            entry.start()
+            return
+        done = asyncio.get_running_loop().create_future()
+        self._queue.append((done, entry))
+        self.waiting += 1
+        try:
+            await done
+        finally:
+            if not entry.admitted:  # cancelled while waiting (client gone)
+                self.waiting -= 1
+                self._queue.remove((done, entry))
+                self._wake()  # the head may have been what held the others
+
+    def _wake(self) -> None:
+        """Start the waiting requests from the head while each fits."""
+        queue = self._queue
+        while queue:
+            done, entry = queue[0]
+            if not entry.fits():
+                return
+            queue.popleft()
+            self.waiting -= 1
+            entry.start()
+            if not done.done():
+                done.set_result(None)
 
     # ------------------------------------------------------------------ reporting
 
@@ -363,3 +386,46 @@ class SimEngine:
                 f"{sample}{info if name == 'vllm:cache_config_info' else labels} {float(value)}",
             ]
         return "\n".join(lines) + "\n"
+
+
+class _Admission:
+    """A request on its way into the engine: its cache keys (computed once), whether it
+    fits now, and its start (slot taken, blocks pinned, ``t_admit``)."""
+
+    __slots__ = ("admitted", "engine", "handle", "keys", "n_tokens", "run", "seq", "t_admit")
+
+    def __init__(self, engine: SimEngine, run: Run, tokens: Sequence[int]) -> None:
+        self.engine = engine
+        self.run = run
+        self.keys: list[int] | None = None
+        self.n_tokens = len(tokens)
+        self.seq: Any = None
+        if engine.config.prefix_caching:
+            out = run.output_len if engine.config.output_blocks else 1
+            self.keys, self.n_tokens, self.seq = engine.cache.prepare(tokens, out, run.namespace)
+        self.handle: Handle | None = None
+        self.admitted = False
+        self.t_admit = 0.0
+
+    def fits(self) -> bool:
+        e = self.engine
+        if e.running >= e.cost.max_batch:
+            return False
+        if self.keys is None or not e.config.kv_admission:
+            return True
+        return e.cache.fits(self.keys, self.n_tokens)
+
+    def start(self) -> None:
+        e, run = self.engine, self.run
+        self.admitted = True
+        self.t_admit = time.perf_counter()
+        e.running += 1
+        run.batch = e.running
+        if self.keys is not None:
+            e._lora = run.lora
+            run.cached_tokens, self.handle = e.cache.admit_keys(
+                self.keys, self.n_tokens, self.seq if e.cache.on_store is not None else None
+            )
+            e._lora = None
+            self.keys = self.seq = None
+        e._flush_events()

@@ -7,7 +7,9 @@ released when the request completes). The workers are ``PrefixCache`` + ``CostMo
 the same pieces ``kvroute sim-worker`` runs, advanced by a heap of completion events
 instead of sleeps:
 
-* at most ``max_batch`` requests run per worker; the rest wait FIFO;
+* at most ``max_batch`` requests run per worker, and only as many as its KV cache holds
+  the prompts of (``PrefixCache.fits``; ``FleetConfig.kv_admission``, on by default);
+  the rest wait FIFO;
 * a request admitted to run looks up and pins its prompt blocks (hit = leading blocks
   cached), then waits for the worker's prefill engine (one prefill at a time, FIFO),
   which takes ``cost.prefill_s(uncached)``; its first token is out at the end of it;
@@ -16,7 +18,8 @@ instead of sleeps:
 * each time the sequence (prompt + output) fills a block, an event stores and pins it
   (``PrefixCache.grow``), evicting as admission does: generated tokens take capacity
   from cached prompts as in vLLM (``FleetConfig.output_blocks``, on by default);
-* completion unpins the blocks, releases the load and admits the next waiting request.
+* completion unpins the blocks, releases the load and admits the waiting requests, from
+  the head, while each fits.
 
 Heterogeneous fleets: ``FleetConfig.worker_costs`` gives each worker its own cost model
 (``heterogeneous`` builds one with some workers slower at prefill).
@@ -64,6 +67,7 @@ import numpy as np
 from kvroute._native import PrefixIndex
 from kvroute.fleet.engine_load import CapacityLearner
 from kvroute.fleet.health import EDGE_READ_GAP_S
+from kvroute.fleet.shared.publishing import LOAD_LINGER_S
 from kvroute.routing.policies.base import Policy, RouteRequest
 from kvroute.sim.cache import Handle, PrefixCache, block_keys_batch, sequence
 from kvroute.sim.cost import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_TOKENS, CostModel
@@ -105,6 +109,9 @@ class FleetConfig:
     capacity_reported: bool = False
     # Generated tokens take cache blocks (vLLM); off: only prompts are cached.
     output_blocks: bool = True
+    # A request starts only when its prompt's blocks fit beside the running requests'
+    # (vLLM, SGLang); off: whenever a decode slot is free (the model before).
+    kv_admission: bool = True
     # What the approximate index cannot see (kvroute.sim.routers): independent router
     # replicas dealt requests in turn; a fraction of requests sent straight to a random
     # worker (chosen from ``seed``); a worker's cache lost every this many seconds.
@@ -132,6 +139,9 @@ class FleetConfig:
     # reach the others this much later; None: no store (kvroute.sim.routers).
     state_store_delay_s: float | None = None
     state_store_heartbeat_s: float = 0.5
+    # With a store: how long a load change alone waits for company before it is written
+    # (serve's ``LOAD_LINGER_S``; 0: each change written at once, as before).
+    state_store_linger_s: float = LOAD_LINGER_S
     # Requests of one group are the turns of one conversation (``workloads.multiturn``),
     # and a turn's prompt holds the answer to the one before: it is sent at its drawn
     # arrival time or when that answer has ended, whichever is later, as a chat client
@@ -267,6 +277,7 @@ def simulate(
         learner=learner,
         events=events,
         store_delay_s=cfg.state_store_delay_s,
+        store_linger_s=cfg.state_store_linger_s,
         heartbeat_s=cfg.state_store_heartbeat_s,
     )
     costs = cfg.costs()
@@ -332,7 +343,17 @@ def simulate(
     decision_ns = 0
     perf = time.perf_counter_ns
     output_blocks = cfg.output_blocks
+    kv_admission = cfg.kv_admission
     bs = cfg.block_size
+
+    def can_start(w: int, r: int) -> bool:
+        """A free slot on ``w`` and, with KV admission, room for the prompt's blocks."""
+        if running[w] >= costs[w].max_batch:
+            return False
+        if not kv_admission:
+            return True
+        n = len(reqs[r].tokens)
+        return caches[w].fits(keys[r][: n // bs].tolist(), n)
 
     def schedule(r: int, w: int) -> None:
         """Push the request's next event: its next block fill, if before completion."""
@@ -386,7 +407,11 @@ def simulate(
             if learner is not None and cfg.learn_at_polls:
                 for i in range(nw):
                     learner.observe(names[i], running[i], len(queues[i]))
-            tier.poll([running[i] + len(queues[i]) for i in range(nw)], [len(q) for q in queues])
+            tier.poll(
+                [running[i] + len(queues[i]) for i in range(nw)],
+                [len(q) for q in queues],
+                [c.usage() for c in caches],
+            )
             next_poll += cast(float, poll_every)
             continue
         if next_restart <= upcoming:
@@ -412,8 +437,9 @@ def simulate(
                 handles[r] = None
             running[w] -= 1
             tier.done(r, now, reqs[r].output_len)
-            if queues[w]:
-                admit(w, queues[w].popleft(), now)
+            queue = queues[w]
+            while queue and can_start(w, queue[0]):
+                admit(w, queue.popleft(), now)
             after = follows.get(r)
             if after is not None:
                 arrivals[after] = max(arrivals[after], now)
@@ -433,7 +459,7 @@ def simulate(
                 predicted[r] = ticket.predicted
         assigned[r] = w
         per_worker[w] += 1
-        if running[w] < costs[w].max_batch:
+        if not queues[w] and can_start(w, r):
             admit(w, r, now)
         else:
             slotq[w] += 1
@@ -449,7 +475,7 @@ def simulate(
             ):
                 edge_read[w] = now
                 learner.observe(name, running[w], len(queues[w]))
-                tier.poll_one(name, running[w] + len(queues[w]), len(queues[w]))
+                tier.poll_one(name, running[w] + len(queues[w]), len(queues[w]), caches[w].usage())
 
     extra: dict[str, Any] = {
         "final_inflight": tier.in_flight(),

@@ -125,6 +125,7 @@ class RouterTier:
         learner: CapacityLearner | None = None,
         events: InstantEvents | None = None,
         store_delay_s: float | None = None,
+        store_linger_s: float = 0.0,
         heartbeat_s: float = 0.5,
         worker_budgets: Sequence[int] | None = None,
         index_in_bytes: bool = False,
@@ -134,6 +135,13 @@ class RouterTier:
         self.names = list(names)
         self.shared = store_delay_s is not None
         self.store_delay_s = store_delay_s or 0.0
+        # A load change alone waits this long for company, as serve's publisher makes it
+        # (``fleet.shared.publishing.LOAD_LINGER_S``): per replica, the workers changed
+        # since its last write, when the wait ends, and whether it decided in this step.
+        self.store_linger_s = store_linger_s
+        self._dirty: list[set[str]] = []
+        self._linger_until: list[float | None] = []
+        self._decided: list[bool] = []
         self.heartbeat_s = heartbeat_s
         # Published decisions in flight to the store: (visible at, publisher, worker, digests).
         self._wire: deque[tuple[float, int, str, bytes]] = deque()
@@ -158,6 +166,9 @@ class RouterTier:
             self.policies = [
                 make(self._index(max_tree_size, worker_budgets)) for _ in range(replicas)
             ]
+        self._dirty = [set() for _ in self.policies]
+        self._linger_until = [None] * len(self.policies)
+        self._decided = [False] * len(self.policies)
         self.peer: list[dict[str, int]] = [dict.fromkeys(self.names, 0) for _ in self.policies]
         self.loads: list[dict[str, int]] = [dict.fromkeys(self.names, 0) for _ in self.policies]
         self.others: list[dict[str, int]] = [dict.fromkeys(self.names, 0) for _ in self.policies]
@@ -240,20 +251,63 @@ class RouterTier:
     def _publisher(self, k: int) -> Callable[[str, bytes], None]:
         def publish(worker: str, digests: bytes) -> None:
             self._wire.append((self._now + self.store_delay_s, k, worker, digests))
+            self._decided[k] = True  # the load changes waiting go with it (``_wrote``)
 
         return publish
 
     def _work_publisher(self, k: int) -> Callable[[str], None]:
         def publish(worker: str) -> None:
-            st = self.work[k].state(worker)
-            at = self._now + self.store_delay_s
-            load = (st.requests, len(st.pending), st.prefill_tokens)
-            # As serve publishes them: seconds from now, read at delivery on the
-            # receiver's clock (so they arrive the store's delay late, as there).
-            ends = self.work[k].decoding_ends(worker, self._now)
-            self._work_wire.append((at, k, worker, load, ends))
+            if self.store_linger_s <= 0.0:
+                self._send_load(k, worker, self._now)
+                return
+            self._dirty[k].add(worker)
+            if self._linger_until[k] is None:
+                self._linger_until[k] = self._now + self.store_linger_s
 
         return publish
+
+    def _send_load(self, k: int, worker: str, now: float) -> None:
+        """Replica ``k``'s load on ``worker`` as of ``now``, written then."""
+        st = self.work[k].state(worker)
+        at = now + self.store_delay_s
+        load = (st.requests, len(st.pending), st.prefill_tokens)
+        # As serve publishes them: seconds from now, read at delivery on the
+        # receiver's clock (so they arrive the store's delay late, as there).
+        ends = self.work[k].decoding_ends(worker, now)
+        wire = self._work_wire
+        entry = (at, k, worker, load, ends)
+        if wire and wire[-1][0] > at:  # a linger's end, written before a later change
+            i = len(wire)
+            while i > 0 and wire[i - 1][0] > at:
+                i -= 1
+            wire.insert(i, entry)
+        else:
+            wire.append(entry)
+
+    def _write_load(self, k: int, now: float) -> None:
+        """Replica ``k`` writes every load change waiting, as of ``now``."""
+        for worker in sorted(self._dirty[k]):
+            self._send_load(k, worker, now)
+        self._dirty[k].clear()
+        self._linger_until[k] = None
+
+    def _lingered(self, now: float) -> None:
+        """Before handling an event at ``now``: the replicas whose wait ended by then
+        write their changes at that end (nothing of theirs changed since: every change
+        goes through an event, and this runs first)."""
+        for k, until in sorted(
+            ((k, u) for k, u in enumerate(self._linger_until) if u is not None and u <= now),
+            key=lambda e: e[1],
+        ):
+            self._write_load(k, until)
+
+    def _wrote(self, k: int, now: float) -> None:
+        """After replica ``k``'s step: a decision it published took its waiting load
+        changes along (serve: written together at the end of the event-loop turn)."""
+        if self._decided[k]:
+            self._decided[k] = False
+            if self._dirty[k]:
+                self._write_load(k, now)
 
     def _sync(self, now: float) -> None:
         """Deliver the decisions and the load changes visible by ``now``."""
@@ -298,6 +352,7 @@ class RouterTier:
         seen = loads
         self._now = now
         if self.shared:
+            self._lingered(now)
             self._sync(now)
             peer = self.peer[k]
             seen = {w: n + peer[w] for w, n in loads.items()}
@@ -311,6 +366,8 @@ class RouterTier:
         n = len(request.tokens)
         ticket = model.reserve(decision.worker, n - cached, output_len, now, cached)
         self._open[r] = (k, decision, ticket)
+        if self.shared:
+            self._wrote(k, now)
         return decision.worker
 
     def ticket(self, r: int) -> Ticket | None:
@@ -322,6 +379,8 @@ class RouterTier:
         opened = self._open.get(r)
         if opened is not None:
             self._now = now
+            if self.shared:
+                self._lingered(now)
             opened[2].first_byte(now)
 
     def done(self, r: int, now: float = 0.0, output_tokens: int | None = None) -> None:
@@ -331,6 +390,8 @@ class RouterTier:
             return
         k, decision, ticket = opened
         self._now = now
+        if self.shared:
+            self._lingered(now)
         ticket.end(now, output_tokens)
         budgeted = self._plans[k]
         if budgeted is not None:  # the simulated engines count the IDs it was routed as
@@ -342,6 +403,8 @@ class RouterTier:
         self.loads[k][decision.worker] -= 1
         if decision.ticket is not None:
             self.policies[k].on_done(decision)
+        if self.shared:
+            self._wrote(k, now)
 
     def _agree_scale(self) -> None:
         """With a store: every replica budgets with the oldest one's learned scale."""
@@ -352,22 +415,35 @@ class RouterTier:
             if budgeted is not None and budgeted[0].adopt(oldest):
                 budgeted[0].apply(budgeted[1], self.names)
 
-    def poll(self, engine: Sequence[int], waiting: Sequence[int] | None = None) -> None:
+    def poll(
+        self,
+        engine: Sequence[int],
+        waiting: Sequence[int] | None = None,
+        kv_usage: Sequence[float] | None = None,
+    ) -> None:
         """Each engine's running + waiting count (per worker, in ``names`` order) as
         the replicas read it: what each holds beyond a replica's own requests (and, with a
-        store, beyond the others' it knows of). ``waiting``: the waiting part, per worker
-        (feeds the work models)."""
+        store, beyond the others' it knows of). ``waiting``: the waiting part, per worker,
+        and ``kv_usage`` each KV cache's use (0..1, vLLM's ``kv_cache_usage_perc``; both
+        feed the work models)."""
         for i, (w, held) in enumerate(zip(self.names, engine, strict=True)):
-            self.poll_one(w, held, waiting[i] if waiting is not None else None)
+            self.poll_one(
+                w,
+                held,
+                waiting[i] if waiting is not None else None,
+                kv_usage[i] if kv_usage is not None else None,
+            )
 
-    def poll_one(self, worker: str, held: int, waiting: int | None) -> None:
+    def poll_one(
+        self, worker: str, held: int, waiting: int | None, kv_usage: float | None = None
+    ) -> None:
         """``poll`` for one worker (``held``: its engine's running + waiting count)."""
         for loads, others, peer, model in zip(
             self.loads, self.others, self.peer, self.work, strict=True
         ):
             others[worker] = max(0, held - loads[worker] - peer[worker])
             if waiting is not None:
-                model.observe_engine(worker, held - waiting, waiting)
+                model.observe_engine(worker, held - waiting, waiting, kv_usage)
 
     def routed_to(self, worker: str) -> int:
         """Requests in flight on ``worker`` as the replicas see them (theirs and, with a

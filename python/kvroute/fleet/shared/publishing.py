@@ -2,15 +2,23 @@
 publishing half, kept apart from the connection handling in ``store``).
 
 Nothing on the request path waits for Redis: a decision or a load change is queued
-(``publish_insert``, ``loads.SharedLoad.changed``) and, once the current event-loop turn
-is over (``call_soon``), everything queued in the turn goes out as ``XADD``s in one
-socket write (``_write``: a decision and its reservation ride in one entry) on a
-connection of its own that has told Redis not to reply (``unanswered``: ``CLIENT REPLY
-OFF``). Why: with requests arriving one at a time, each costs about three writes (its
-decision and reservation, its first byte, its end), and waking a task, awaiting,
-reading and parsing a reply per write was most of a write's client CPU
-(``bench/shared_state_overhead.py``). The price: Redis's errors on those writes are not
-seen; a lost connection is (``_watch``, and the other tasks' commands fail). The
+(``publish_insert``, ``loads.SharedLoad.changed``). A decision goes out once the current
+event-loop turn is over (``call_soon``), with everything else queued by then, as
+``XADD``s in one socket write (``_write``: a decision and its reservation ride in one
+entry), on a connection of its own that has told Redis not to reply (``unanswered``:
+``CLIENT REPLY OFF``). A load change alone (a first byte, an end) lingers up to
+``LOAD_LINGER_S`` for company: the next decision takes it along, or the linger's end
+writes every change made meanwhile in one entry. Why: with requests arriving one at a
+time, each cost three writes (its decision and reservation, its first byte, its end),
+and on loopback the writer's ``send`` also runs Redis's side of TCP and wakes it: most
+of what publishing cost per request end to end (``docs/several-routers.md``). Waking a
+task, awaiting, reading and parsing a reply per write was most of the rest
+(``bench/shared_state_overhead.py``). What the linger costs the other routers: they see
+a prefill end or a request end up to ``LOAD_LINGER_S`` late (a reservation never: it
+rides with its decision), while engine readings come every few seconds and a request's
+first byte takes hundreds of milliseconds. The price of unanswered writes: Redis's
+errors on them are not seen; a lost connection is (``_watch``, and the other tasks'
+commands fail). The
 publishing task (``_publish_loop``) writes membership changes (kept until Redis has
 them) and, while Redis is slow to read (over ``WRITE_BUFFER`` bytes unsent), takes over
 the writes and waits for Redis; the request path's buffer stays bounded meanwhile.
@@ -44,6 +52,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvroute.fleet.shared")
 
 WRITE_BUFFER = 1 << 20  # bytes not yet taken by Redis beyond which the request path stops writing
+LOAD_LINGER_S = 0.05  # a load change alone waits this long at most for others to ride with
 
 
 class Publisher:
@@ -53,6 +62,7 @@ class Publisher:
     _buf: deque[tuple[str, bytes]]
     _commands: wire.Commands
     _soon: bool
+    _later: asyncio.TimerHandle | None
     _writer: asyncio.StreamWriter | None
     _wake: asyncio.Event
     answered: bool  # Redis refused CLIENT REPLY OFF: the writes' replies are read (_watch)
@@ -63,15 +73,27 @@ class Publisher:
     counters: StoreCounters
 
     def _queued(self) -> None:
-        """Something was queued: write it once this event-loop turn is over, so that
+        """A decision was queued: write it once this event-loop turn is over, so that
         every change made in the turn (a decision and its reservation, a burst of
-        requests) rides in one write."""
+        requests) rides in one write, with the load changes lingering."""
         if self._writer is not None and not self._soon:
             self._soon = True
             asyncio.get_running_loop().call_soon(self._flush)
 
+    def _load_changed(self) -> None:
+        """A load change was queued with nothing else: written with the next decision,
+        or ``LOAD_LINGER_S`` from now with every change made meanwhile."""
+        if self._writer is not None and not self._soon and self._later is None:
+            self._later = asyncio.get_running_loop().call_later(LOAD_LINGER_S, self._flush)
+
+    def _cancel_linger(self) -> None:
+        if self._later is not None:
+            self._later.cancel()
+            self._later = None
+
     def _flush(self) -> None:
         self._soon = False
+        self._cancel_linger()
         writer = self._writer
         if writer is None:
             return  # disconnected since: the session's next start publishes it

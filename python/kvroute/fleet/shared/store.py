@@ -127,6 +127,7 @@ class StateStore(Publisher, Applier):
         # whether a write is already scheduled for the end of this event-loop turn.
         self._writer: asyncio.StreamWriter | None = None
         self._soon = False
+        self._later: asyncio.TimerHandle | None = None  # a lone load change's write
         self.answered = False
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -138,7 +139,7 @@ class StateStore(Publisher, Applier):
         # The work model's load and queued prefill, shared both ways (``loads``).
         self.shared_load = None
         if work is not None:
-            self.shared_load = SharedLoad(work, self._queued, self.peer_load)
+            self.shared_load = SharedLoad(work, self._load_changed, self.peer_load)
 
     # ------------------------------------------------------------- request path
 
@@ -186,6 +187,7 @@ class StateStore(Publisher, Applier):
 
     async def stop(self) -> None:
         self._stopping = True
+        self._cancel_linger()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
