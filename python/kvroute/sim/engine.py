@@ -143,7 +143,8 @@ class SimEngine:
             on_remove=self._on_remove if self.publisher else None,
             on_clear=self._on_clear if self.publisher else None,
         )
-        # Requests waiting to start, first come first served: (admitted, admit it).
+        # Requests waiting to start, first come first served: (resolved once it has
+        # started, the request on its way in).
         self._queue: deque[tuple[asyncio.Future[None], _Admission]] = deque()
         self._prefill = asyncio.Lock()
         self.running = 0
