@@ -288,9 +288,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--health-check-interval-secs must be > 0")
         if args.restart_every is not None and not args.restart_every > 0:
             raise ValueError("--restart-every must be > 0")
-        if args.causal_turns and (args.workload or ("mooncake" if args.trace else "gsp")) != (
-            "multiturn"
-        ):
+        if args.causal_turns and args.workload != "multiturn":
             raise ValueError("--causal-turns needs --workload multiturn (turns of conversations)")
         policies = [p.strip() for p in args.policies.split(",") if p.strip()]
         if not policies:

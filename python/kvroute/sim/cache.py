@@ -253,10 +253,11 @@ class PrefixCache:
         recounts it)."""
         return self._pinned
 
-    def fits(self, keys: list[int], n_tokens: int) -> bool:
-        """Can a request with these sequence keys (``prepare``) and a prompt of
-        ``n_tokens`` start now (module doc, admission)? Its prompt's full blocks that no
-        running request pins must fit into the blocks not pinned; alone it always fits."""
+    def fits(self, keys: list[int] | npt.NDArray[np.uint64], n_tokens: int) -> bool:
+        """Can a request with these sequence keys (``prepare``'s, or the simulator's
+        array) and a prompt of ``n_tokens`` start now (module doc, admission)? Its
+        prompt's full blocks that no running request pins must fit into the blocks not
+        pinned; alone it always fits."""
         if self._running == 0:
             return True
         n = min(n_tokens // self.block_size, len(keys))
@@ -265,6 +266,8 @@ class PrefixCache:
             return True
         acq_get, rel_get = self._acq.get, self._rel.get
         prompt = keys[:n]
+        if isinstance(prompt, np.ndarray):
+            prompt = prompt.tolist()
         unpinned: int = sum(
             map(eq, map(acq_get, prompt, repeat(0)), map(rel_get, prompt, repeat(0)))
         )

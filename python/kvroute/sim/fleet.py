@@ -350,10 +350,7 @@ def simulate(
         """A free slot on ``w`` and, with KV admission, room for the prompt's blocks."""
         if running[w] >= costs[w].max_batch:
             return False
-        if not kv_admission:
-            return True
-        n = len(reqs[r].tokens)
-        return caches[w].fits(keys[r][: n // bs].tolist(), n)
+        return not kv_admission or caches[w].fits(keys[r], len(reqs[r].tokens))
 
     def schedule(r: int, w: int) -> None:
         """Push the request's next event: its next block fill, if before completion."""

@@ -49,8 +49,10 @@ every worker is trusted, as the router does with ``--kv-events`` and every worke
 
 from __future__ import annotations
 
+from bisect import insort
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
+from operator import itemgetter
 from typing import Any, cast
 
 import numpy as np
@@ -136,12 +138,8 @@ class RouterTier:
         self.shared = store_delay_s is not None
         self.store_delay_s = store_delay_s or 0.0
         # A load change alone waits this long for company, as serve's publisher makes it
-        # (``fleet.shared.publishing.LOAD_LINGER_S``): per replica, the workers changed
-        # since its last write, when the wait ends, and whether it decided in this step.
+        # (``fleet.shared.publishing.LOAD_LINGER_S``).
         self.store_linger_s = store_linger_s
-        self._dirty: list[set[str]] = []
-        self._linger_until: list[float | None] = []
-        self._decided: list[bool] = []
         self.heartbeat_s = heartbeat_s
         # Published decisions in flight to the store: (visible at, publisher, worker, digests).
         self._wire: deque[tuple[float, int, str, bytes]] = deque()
@@ -166,8 +164,10 @@ class RouterTier:
             self.policies = [
                 make(self._index(max_tree_size, worker_budgets)) for _ in range(replicas)
             ]
-        self._dirty = [set() for _ in self.policies]
-        self._linger_until = [None] * len(self.policies)
+        # Per replica: the workers whose load changed since its last write, when its
+        # wait ends, and whether it published a decision in the current step.
+        self._dirty: list[set[str]] = [set() for _ in self.policies]
+        self._linger_until: list[float | None] = [None] * len(self.policies)
         self._decided = [False] * len(self.policies)
         self.peer: list[dict[str, int]] = [dict.fromkeys(self.names, 0) for _ in self.policies]
         self.loads: list[dict[str, int]] = [dict.fromkeys(self.names, 0) for _ in self.policies]
@@ -277,10 +277,7 @@ class RouterTier:
         wire = self._work_wire
         entry = (at, k, worker, load, ends)
         if wire and wire[-1][0] > at:  # a linger's end, written before a later change
-            i = len(wire)
-            while i > 0 and wire[i - 1][0] > at:
-                i -= 1
-            wire.insert(i, entry)
+            insort(wire, entry, key=itemgetter(0))
         else:
             wire.append(entry)
 

@@ -179,7 +179,8 @@ class PendingPrompts:
 class KeepsPromptsInFlight:
     """For a policy keeping its prompts in flight in ``_pending``: when to keep them
     (``_budget_evicted``), ``on_done`` ends the decision's ticket, ``prompts_in_flight``
-    counts them (``/metrics``, ``/status``)."""
+    counts them (``/metrics``, ``/status``); a worker removed or every cache flushed
+    drops them from the index and from what ``on_done`` records again."""
 
     _pending: PendingPrompts
     index: PrefixIndex
@@ -210,6 +211,14 @@ class KeepsPromptsInFlight:
             prompt = self._pending.end(decision.ticket)
             if prompt is not None:
                 self.index.insert(decision.worker, prompt)
+
+    def on_worker_removed(self, worker: str) -> None:
+        self.index.remove_worker(worker)
+        self._pending.forget_worker(worker)
+
+    def clear(self) -> None:
+        self.index.clear()
+        self._pending.forget_worker()
 
     def on_rejected(self, decision: Decision, tokens: Sequence[int]) -> None:
         """The worker refused the prompt: it does not hold what was inserted for it."""

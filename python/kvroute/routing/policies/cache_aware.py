@@ -330,11 +330,3 @@ class CacheAware(KeepsPromptsInFlight, Policy):
 
     def on_worker_added(self, worker: str) -> None:
         self.index.add_worker(worker)
-
-    def on_worker_removed(self, worker: str) -> None:
-        self.index.remove_worker(worker)
-        self._pending.forget_worker(worker)
-
-    def clear(self) -> None:
-        self.index.clear()
-        self._pending.forget_worker()
