@@ -23,13 +23,15 @@ def workers_state(router: Server) -> dict[str, dict[str, Any]]:
 
 def released(w: dict[str, Any]) -> bool:
     """Nothing of the worker's load is still reserved: requests in flight, and the work
-    model's predicted prefill, requests and decode tokens (``kvroute.routing.load``)."""
+    model's predicted prefill, requests, decode tokens and prompt tokens kept in the KV
+    cache (``kvroute.routing.load``)."""
     work = w["work"]
     return w["in_flight"] == 0 and (
         work["prefill_tokens_queued"],
         work["requests"],
         work["decode_tokens"],
-    ) == (0, 0, 0)
+        work["kv_tokens_in_flight"],
+    ) == (0, 0, 0, 0)
 
 
 def settle(router: Server, timeout_s: float = 10.0) -> dict[str, dict[str, Any]]:

@@ -58,6 +58,10 @@ def test_min_ttft_serves_learns_the_slow_worker_and_releases_its_work(
         assert w["in_flight"] == 0
         work = w["work"]
         assert (work["prefill_tokens_queued"], work["requests"], work["decode_tokens"]) == (0, 0, 0)
+        assert work["kv_tokens_in_flight"] == 0
+        # The KV capacity the sim worker reports (vLLM's cache_config_info) reached the
+        # work model: waits for room in the cache are predicted.
+        assert work["kv_capacity_tokens"] > 0
     # Speeds were learned from first bytes, and the slow worker is seen as slow.
     assert workers[slow.url]["work"]["prefill_samples"] >= 3
     assert workers[fast.url]["work"]["prefill_samples"] >= 3

@@ -318,6 +318,65 @@ def test_engine_readings_add_others_waiting_work_and_a_full_kv_cache() -> None:
     assert m.slot_wait("v") > 0
 
 
+def test_a_request_waits_for_room_in_the_kv_cache_until_requests_in_flight_end() -> None:
+    """Engines admit a waiting request only when its prompt's blocks fit beside the
+    running requests' (first come, first served): a worker whose KV cache the requests
+    in flight fill has a wait for room, until enough of them end, whatever its slots."""
+    now = [0.0]
+    m = LoadModel()
+    m.clock = lambda: now[0]
+    m.kv_capacity = {"w": 50_000}
+    d = m.state("w").decode_s.value
+    short = m.reserve("w", 20_000, 101, now=0.0)
+    long = m.reserve("w", 20_000, 1001, now=0.0)
+    for t in (short, long):
+        t.first_byte(0.0)
+    assert m.kv_pinned("w") == 40_000
+    assert m.kv_wait("w", 10_000) == 0.0  # fits beside them
+    assert m.slot_wait("w") == 0.0  # no capacity known: no slot wait
+    # 15,000 more: the short answer's end frees enough (100 more tokens from t=0).
+    assert m.kv_wait("w", 15_000) == pytest.approx(100 * d)
+    # 40,000 more: both must end.
+    assert m.kv_wait("w", 40_000) == pytest.approx(1000 * d)
+    # A prompt larger than the cache runs alone: after every request in flight.
+    assert m.kv_wait("w", 60_000) == pytest.approx(1000 * d)
+    # The wait is part of the predicted TTFT (with the slot wait, the longer of the two)
+    # and of the per-decision predictions.
+    assert m.ttft("w", 40_000, kv=40_000) == pytest.approx(m.ttft("w", 40_000, kv=0) + 1000 * d)
+    pred = m.predict(["w"], 40_000, {})
+    assert pred.slot["w"] == pytest.approx(1000 * d)
+    assert pred.ttft["w"] == pytest.approx(m.ttft("w", 40_000, kv=40_000))
+    # The prefix a request shares with one of ours in flight there needs no new room.
+    shared = m.predict(["w"], 40_000, {"w": 20_000}, in_flight={"w": 30_000})
+    assert shared.slot["w"] == 0.0
+    # Released exactly once, with the rest of the ticket.
+    short.end(1.0, 101)
+    short.end(2.0, 101)
+    assert m.kv_pinned("w") == 20_000
+    long.end(3.0)
+    assert m.kv_pinned("w") == 0 and m.workers["w"].kv == {}
+    # No capacity reported: no wait for room predicted.
+    m.kv_capacity = {}
+    m.reserve("w", 60_000, 10, now=3.0)
+    assert m.kv_wait("w", 60_000) == 0.0
+
+
+def test_kv_room_others_hold_is_read_from_the_engine_only_where_others_run() -> None:
+    """An engine's KV cache usage beyond what ours keep counts as others' (bypassing
+    clients, other routers) only where requests not ours run there: our own count
+    leaves out blocks a request shares with one that ended, so a reading above it alone
+    is nobody else's."""
+    m = LoadModel()
+    m.kv_capacity = {"w": 100_000}
+    m.reserve("w", 10_000, 10, now=0.0, kv=10_000)
+    m.observe_engine("w", running=1, waiting=0, kv_usage=0.6)
+    assert m.kv_pinned("w") == 10_000
+    m.others = {"w": 3}
+    assert m.kv_pinned("w") == 60_000
+    assert m.kv_wait("w", 30_000) == 0.0
+    assert m.kv_wait("w", 50_000) > 0.0
+
+
 def test_a_worker_not_seen_queueing_is_assumed_to_run_as_many_as_the_largest_learned() -> None:
     """Capacities are learned only when an engine reading catches a worker queueing
     (every few seconds). Until then a worker had no slot wait at all, so a hot prefix's

@@ -183,6 +183,30 @@ def test_cache_aware_work_leaves_a_holder_whose_queue_costs_more_than_its_cache_
 
 
 @pytest.mark.parametrize("policy", ["cache_aware", "min_ttft"])
+def test_a_holder_whose_kv_cache_the_requests_in_flight_fill_is_left(policy: str) -> None:
+    """The holder of a 12,000-token prefix runs a long answer to a 45,000-token prompt in
+    its 50,000-token KV cache: a 20,000-token request sharing that prefix would wait for
+    the answer to end before the engine admits it (the slots are free). Priced with the
+    wait for KV room, it goes to a worker with room; without the capacity known, the
+    cache wins."""
+    pol, model = setup(policy)
+    clock = [0.0]
+    model.clock = lambda: clock[0]
+    prefix = tokens(8, 12_000)
+    prompt = prefix + tokens(9, 8_000)
+    pol.index.insert("a", prefix)  # type: ignore[attr-defined]
+    loads = {"a": 1, "b": 0, "c": 0}
+    model.reserve("a", 45_000, 4000, now=0.0).first_byte(0.1)
+    clock[0] = 0.2
+    d = pol.select(RouteRequest(prompt), loads)  # type: ignore[attr-defined]
+    assert d.worker == "a"  # no KV capacity known: the cache holder
+    pol.index.rollback("a", prompt, d.held_before)  # type: ignore[attr-defined]
+    model.kv_capacity = dict.fromkeys(WORKERS, 50_000)
+    d = pol.select(RouteRequest(prompt), loads)  # type: ignore[attr-defined]
+    assert d.worker in ("b", "c") and d.reason == "overflow"
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "min_ttft"])
 def test_a_long_match_is_kept_after_many_short_matches_an_engine_cannot_cache(policy: str) -> None:
     """Prompts that share only their first few tokens with earlier ones (text whose
     opening repeats) are predicted a few cached tokens that no engine caches (whole
@@ -236,6 +260,8 @@ def test_a_prompt_in_flight_is_matched_where_the_budget_evicted_it(policy: str) 
     d2 = pol.select(RouteRequest(follow), loads)  # type: ignore[attr-defined]
     assert (d2.worker, d2.reason, d2.matched_tokens) == (home, "cache_hit", 2000)
     assert d2.cached_tokens == 2000  # the prediction reads it too
+    # What it needs of the KV cache beyond the prompt in flight there: its 300 new tokens.
+    assert d1.kv_tokens == 2000 and d2.kv_tokens == 300
     assert pol.prompts_in_flight == 2  # type: ignore[attr-defined]
     # Ended, the first prompt is no longer pending: the index alone decides again.
     pol.on_done(d1)  # type: ignore[attr-defined]

@@ -457,3 +457,24 @@ def test_the_simulated_routers_work_model_reads_virtual_time(
     monkeypatch.setattr(RouterTier, "_clock", None)  # the work models get no clock
     without = simulate(prep, "cache_aware", cfg)
     assert without.extra["ttft_mae_s"] > 0.01
+
+
+def test_replicas_predict_waits_for_kv_room_in_the_caches_the_engines_report() -> None:
+    """Each replica's work model knows the KV capacity its index is budgeted by, as
+    serve reads it from the engines; not where the simulated engines never wait for
+    room (``FleetConfig.kv_admission`` off), nor without engine budgets."""
+    names = worker_names(2)
+    tier = RouterTier(cache_aware, names, replicas=2, worker_budgets=[50_000, 30_000])
+    for model in tier.work:
+        assert dict(model.kv_capacity) == {names[0]: 50_000, names[1]: 30_000}
+    never = RouterTier(cache_aware, names, worker_budgets=[50_000] * 2, kv_waits=False)
+    assert not never.work[0].kv_capacity
+    assert not RouterTier(cache_aware, names).work[0].kv_capacity
+    # Through the fleet: a request's prompt is kept in its worker's KV cache while in
+    # flight, and released at its end.
+    r = simulate(
+        prepare([Request(0.0, np.arange(3000, dtype=np.uint32), 8, 0)]),
+        "cache_aware",
+        FleetConfig(workers=2, capacity_tokens=50_000, policy_settings={"seed": 0}),
+    )
+    assert r.extra["final_work"] == 0

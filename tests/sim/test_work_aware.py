@@ -128,8 +128,8 @@ def test_known_speeds_give_every_router_the_workers_lines_from_the_start() -> No
     first: list[dict[str, float]] = []
     original = LoadModel.predict
 
-    def spy(self: LoadModel, workers: Any, tokens: int, matches: Any) -> Any:
-        pred = original(self, workers, tokens, matches)
+    def spy(self: LoadModel, workers: Any, tokens: int, matches: Any, *rest: Any) -> Any:
+        pred = original(self, workers, tokens, matches, *rest)
         if not first:
             first.append({w: pred.own[w] / (0.005 + tokens / 3000.0) for w in workers})
         return pred

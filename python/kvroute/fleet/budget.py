@@ -112,6 +112,10 @@ class IndexBudget:
         self.reported: dict[str, int] = {}
         self.attempts: dict[str, int] = {}
         self.budgets: dict[str, int] = {}
+        # Each reporting worker's KV capacity in index units (its reported tokens times
+        # ``scale``, not capped): the room the work model predicts waits for
+        # (``LoadModel.kv_capacity``). Kept by ``apply``.
+        self.kv_units: dict[str, int] = {}
 
     def budget_for(self, worker: str, fleet_size: int) -> int:
         tokens = self.reported.get(worker, self.fallback_tokens)
@@ -173,7 +177,13 @@ class IndexBudget:
             self.budgets.pop(url)
             self.attempts.pop(url, None)
             self.reported.pop(url, None)
+        units = self.kv_units
+        for url in [u for u in units if u not in self.reported]:
+            del units[url]
         for url in urls:
+            tokens = self.reported.get(url)
+            if tokens is not None:
+                units[url] = int(tokens * self.scale)
             budget = self.budget_for(url, len(urls))
             # Asked of the index itself: a worker it forgot (down, then back) is set again.
             if index.worker_budget(url) != budget:

@@ -267,6 +267,7 @@ class Attempts:
             time.monotonic(),
             cached,
             predict=job.stream,
+            kv=decision.kv_tokens,
         )
 
     def _rejected(self, job: Job, decision: Decision) -> None:

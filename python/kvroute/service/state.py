@@ -388,6 +388,8 @@ def setup_budget(state: RouterState, budget: IndexBudget) -> None:
     """Default index budgets (``kvroute.fleet.budget``): re-applied whenever a worker
     is added or removed; engines' readings are taken by ``budget_loop`` in the lifespan."""
     state.budget = budget
+    # The engines' KV capacities, as reported: the work model's wait for KV room.
+    state.work.kv_capacity = budget.kv_units
     registry = state.registry
 
     def reapply(_: str) -> None:

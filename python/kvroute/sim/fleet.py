@@ -279,6 +279,7 @@ def simulate(
         store_delay_s=cfg.state_store_delay_s,
         store_linger_s=cfg.state_store_linger_s,
         heartbeat_s=cfg.state_store_heartbeat_s,
+        kv_waits=cfg.kv_admission,
     )
     costs = cfg.costs()
     if learner is not None and cfg.capacity_reported:
@@ -488,7 +489,7 @@ def simulate(
         **work_report(ttft, own_prefill, busy, predicted),
         "prefill_tokens_per_s_learned": [round(tier.work[0].prefill_rate(x), 1) for x in names],
         "final_work": sum(
-            st.prefill_tokens + st.requests + st.decode_tokens
+            st.prefill_tokens + st.requests + st.decode_tokens + st.kv_tokens + len(st.kv)
             for m in tier.work
             for st in m.workers.values()
         ),

@@ -131,6 +131,7 @@ class RouterTier:
         heartbeat_s: float = 0.5,
         worker_budgets: Sequence[int] | None = None,
         index_in_bytes: bool = False,
+        kv_waits: bool = True,
     ) -> None:
         if replicas < 1:
             raise ValueError("router replicas must be >= 1")
@@ -201,6 +202,11 @@ class RouterTier:
                 model.peer_prefill = self.peer_prefill[k]
                 model.peer_ends = self.peer_ends[k]
                 model.on_change = self._work_publisher(k)
+            budgeted = self._plans[k]
+            if budgeted is not None and kv_waits:
+                # The engines' KV capacities, as serve reads them: the work model
+                # predicts waits for room (unless the simulated engines never wait).
+                model.kv_capacity = budgeted[0].kv_units
             if getattr(pol, "work", None) is not None:
                 pol.work = model  # type: ignore[attr-defined]
             for w in self.names:
@@ -361,7 +367,9 @@ class RouterTier:
             cached = decision.matched_tokens
         model = self.work[k]
         n = len(request.tokens)
-        ticket = model.reserve(decision.worker, n - cached, output_len, now, cached)
+        ticket = model.reserve(
+            decision.worker, n - cached, output_len, now, cached, kv=decision.kv_tokens
+        )
         self._open[r] = (k, decision, ticket)
         if self.shared:
             self._wrote(k, now)

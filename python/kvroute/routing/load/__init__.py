@@ -86,7 +86,7 @@ The prediction (``ttft``), for a request with ``uncached`` tokens on worker ``w`
               (``LoadModel.peer_queue_moved``), unless one of ours began first: what
               is left of a prefill of their mean size.
               + others' waiting requests, each of the mean uncached size of ours
-    ttft    = ahead + overhead(w) + uncached / rate(w) + slot_wait(w)
+    ttft    = ahead + overhead(w) + uncached / rate(w) + max(slot_wait(w), kv_wait(w))
     slot_wait = 0 while w has a free slot (requests in flight, ours + others, below its
               capacity: ``--worker-capacity`` or learned from the engines; a worker not
               yet seen queueing is assumed to have the largest capacity learned on any
@@ -112,6 +112,23 @@ The prediction (``ttft``), for a request with ``uncached`` tokens on worker ``w`
               later (module doc of ``LoadModel._release``; docs/policies.md)
     A worker whose engine reports its KV cache >= ``KV_FULL`` full is treated as having
     no free slot (the engine cannot admit more), with its running count as capacity.
+    kv_wait = 0 while the request's prompt fits in the worker's KV cache beside the
+              requests in flight; else the wait for enough of them to end. Engines
+              admit a waiting request only when its prompt's blocks not already in use
+              fit in the free ones (vLLM's scheduler, SGLang's token budget), first come
+              first served, whatever decode slots are free. Counted: the KV capacity
+              each engine reports (``IndexBudget.kv_units``: vLLM's
+              ``cache_config_info``, SGLang's ``max_total_num_tokens``; none reported,
+              none predicted), the prompt tokens each of our requests in flight keeps
+              there (``reserve``'s ``kv``: its prompt less the longest prefix it shares
+              with another of ours in flight on that worker, as the policies' prompts
+              in flight tell once the index's budget has evicted; before that its
+              uncached tokens, as the index then still holds every routed prompt), and
+              others' from the engine's KV usage beyond ours (only where requests not
+              ours run). Room frees as ours decoding end, soonest first, each its
+              tokens; the rest is freed one request lifetime (a prefill of the mean
+              uncached size and a mean decode) per cache's worth. The longer of
+              slot_wait and kv_wait is the wait counted (``slot`` in the predictions).
 
 The price a choice compares (``Predictions.price``, ``cost``): the prediction stretched
 for the worker's occupied decode slots, ``ttft * stretch(w)`` with ::

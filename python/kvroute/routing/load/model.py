@@ -36,6 +36,7 @@ class EngineReading:
     own: int = 0  # our requests in flight at the reading
     own_pending: int = 0  # ours without a first byte yet
     peer_pending: int = 0  # other routers' without a first byte, when shared (--state-store)
+    own_kv: int = 0  # prompt tokens our requests in flight pinned then (``WorkerWork.kv``)
 
 
 @dataclass(slots=True, eq=False)
@@ -79,6 +80,11 @@ class WorkerWork:
     # these (``LoadModel._release``).
     ends: list[tuple[float, float, int, int, int]] = field(default_factory=list)
     ends_fit: tuple[float, float] = (PRIOR_DECODE_S, 0.0)
+    # Prompt tokens each of our requests in flight keeps in the worker's KV cache
+    # (ticket id -> tokens not shared with another of ours there), and their sum: what
+    # a request routed now waits to find room beside (``LoadModel.kv_wait``).
+    kv: dict[int, int] = field(default_factory=dict)
+    kv_tokens: int = 0
 
     def per_token(self, batch: int) -> float:
         """Seconds per output token with ``batch`` requests running (``decode``)."""
@@ -118,6 +124,7 @@ class Ticket:
         "expected_out",
         "first_at",
         "id",
+        "kv",
         "output_tokens",
         "predicted",
         "predicted_cached",
@@ -141,9 +148,11 @@ class Ticket:
         now: float,
         matched: int = 0,
         predict: bool = True,
+        kv: int = 0,
     ) -> None:
         self._model = model
         self.id = tid
+        self.kv = kv  # prompt tokens it keeps in the worker's KV cache (``reserve``)
         self.worker = worker
         self.state = state
         self.uncached = uncached
@@ -170,7 +179,7 @@ class Ticket:
         # A free slot and no one else's requests waiting (neither an engine's unknown
         # ones nor other routers' shared ones): from the moment its prefill starts, its
         # first byte times its own prefill alone.
-        self.clean = model.slot_wait(worker) == 0.0 and not (model.peer_pending or {}).get(
+        self.clean = model.admission_wait(worker, kv) == 0.0 and not (model.peer_pending or {}).get(
             worker, 0
         )
         e = state.engine
@@ -178,7 +187,7 @@ class Ticket:
             self.clean = False
         # Nothing of ours ahead of it either: it starts at once.
         self.alone = self.clean and not state.pending
-        self.predicted = model.ttft(worker, uncached, matched)
+        self.predicted = model.ttft(worker, uncached, matched, kv)
 
     def first_byte(self, now: float, *, learn: bool = True) -> None:
         """The first byte came back: the prefill part is done (once; later calls and
@@ -243,6 +252,8 @@ class Ticket:
                 ends[:] = [e for e in ends if e[4] != self.id]
         st.requests -= 1
         st.decode_tokens -= self.expected_out
+        if st.kv.pop(self.id, None) is not None:
+            st.kv_tokens -= self.kv
         self._model.changed(self.worker)
         if self.sample is not None:
             # Learned at the end, when the engine may have said what it really had
@@ -279,8 +290,9 @@ def _own(st: WorkerWork, intercept: float, slope: float, uncached: int, matched:
 
 class Predictions:
     """One request's predicted time to first token (``ttft``), own prefill seconds
-    (``own``), wait for a decode slot (``slot``, part of ``ttft``: above 0 only on a
-    worker at its capacity) and occupancy stretch (``stretch``, ``LoadModel.stretch``)
+    (``own``), wait to be admitted (``slot``, part of ``ttft``: for a decode slot or
+    for room in the KV cache, the longer; above 0 only on a worker at its capacity or
+    with its KV cache full) and occupancy stretch (``stretch``, ``LoadModel.stretch``)
     per worker, as ``LoadModel.predict`` computed them for one decision; ``price``: the
     time a choice compares, ``ttft`` times ``stretch``."""
 
@@ -341,6 +353,10 @@ class LoadModel:
         # worker's slot frees at those ends, as at ours; the peers' requests not listed
         # are of unknown progress.
         self.peer_ends: Mapping[str, list[tuple[float]]] = {}
+        # Each worker's KV cache in the index's units (tokens, or bytes when routing on
+        # bytes), as its engine reported it (``IndexBudget.kv_units``); a worker not
+        # listed has no wait for KV room predicted.
+        self.kv_capacity: Mapping[str, int] = {}
         self.mean_output = PRIOR_OUTPUT_TOKENS
         # The fleet's cache unit (``WorkerWork.grain`` over every worker): what a worker
         # that has reported no cached tokens yet is assumed to cache in.
@@ -393,16 +409,23 @@ class LoadModel:
         now: float,
         matched: int = 0,
         predict: bool = True,
+        kv: int | None = None,
     ) -> Ticket:
         """Reserve a routed request's work on ``worker`` (at decision time): ``uncached``
         prompt tokens beyond the ``matched`` ones the index predicts it holds.
         ``predict=False``: the ticket's predicted time to first token is not needed
-        (not computed; the work is reserved all the same)."""
+        (not computed; the work is reserved all the same). ``kv``: the prompt tokens it
+        will keep in the worker's KV cache beyond what our other requests in flight
+        there keep (``Decision.kv_tokens``); None: ``uncached``."""
         st = self.state(worker)
         uncached = max(0, uncached)
         matched = max(0, matched)
+        kv = uncached if kv is None else max(0, kv)
         self._ids += 1
-        t = Ticket(self, self._ids, worker, st, uncached, expected_out, now, matched, predict)
+        t = Ticket(self, self._ids, worker, st, uncached, expected_out, now, matched, predict, kv)
+        if kv:
+            st.kv[t.id] = kv
+            st.kv_tokens += kv
         # The prefill expected: the matched tokens the index may be wrong about count
         # in proportion to how often it was (``trust``).
         expect = uncached + round((1.0 - st.trust) * matched)
@@ -432,7 +455,13 @@ class LoadModel:
         st = self.state(worker)
         peers = (self.peer_pending or {}).get(worker, 0)
         st.engine = EngineReading(
-            running, waiting, kv_usage, st.requests, len(st.pending), peer_pending=peers
+            running,
+            waiting,
+            kv_usage,
+            st.requests,
+            len(st.pending),
+            peer_pending=peers,
+            own_kv=st.kv_tokens,
         )
 
     def peer_queue_moved(
@@ -668,12 +697,7 @@ class LoadModel:
         now = self._now()
         if now is None or not (ends or peer) or j >= cap:
             return spread
-        fit = (st.decode.intercept, st.decode.slope)
-        if st.ends_fit != fit:
-            st.ends[:] = sorted(
-                (_ends_at(f, r, b, fit), f, r, b, tid) for _, f, r, b, tid in st.ends
-            )
-            st.ends_fit = fit
+        self._retime(st)
         if peer:
             # The other routers' decoding requests end where they said: no longer of
             # unknown progress.
@@ -721,18 +745,103 @@ class LoadModel:
         """Predicted seconds before a request routed now starts its own prefill."""
         return self.ahead(worker) + self.slot_wait(worker)
 
-    def ttft(self, worker: str, uncached: int, matched: int = 0) -> float:
+    def ttft(self, worker: str, uncached: int, matched: int = 0, kv: int | None = None) -> float:
         """Predicted time to first token of a request with ``uncached`` tokens beyond
-        the ``matched`` ones the index predicts ``worker`` holds."""
+        the ``matched`` ones the index predicts ``worker`` holds, keeping ``kv`` prompt
+        tokens in its KV cache beyond ours in flight there (None: ``uncached``)."""
         st = self.workers.get(worker)
         if st is None:
             return PRIOR_OVERHEAD_S + max(0, uncached) / PRIOR_PREFILL_TPS
         intercept, slope = self.line(st)
+        now = self._now()
+        need = max(0, uncached) if kv is None else kv
         return (
-            self._ahead(worker, st, intercept, slope, max(0, uncached), self._now())
+            self._ahead(worker, st, intercept, slope, max(0, uncached), now)
             + _own(st, intercept, slope, uncached, matched)
-            + self._slot_wait(worker, st)
+            + max(self._slot_wait(worker, st), self._kv_wait(worker, st, need, now))
         )
+
+    def admission_wait(self, worker: str, kv: int) -> float:
+        """Seconds a request routed now would wait to be admitted: for a free decode
+        slot, or for room for its ``kv`` prompt tokens in the KV cache, the longer."""
+        st = self.workers.get(worker)
+        if st is None:
+            return 0.0
+        return max(self._slot_wait(worker, st), self._kv_wait(worker, st, kv, self._now()))
+
+    def kv_wait(self, worker: str, kv: int) -> float:
+        """Seconds a request routed now would wait for room for ``kv`` prompt tokens in
+        ``worker``'s KV cache (``_kv_wait``)."""
+        st = self.workers.get(worker)
+        if st is None:
+            return 0.0
+        return self._kv_wait(worker, st, kv, self._now())
+
+    def kv_pinned(self, worker: str) -> int:
+        """Prompt tokens ``worker``'s KV cache is predicted to keep for the requests in
+        flight: ours (``WorkerWork.kv_tokens``), and others' as its engine last reported
+        its cache in use beyond ours (only where requests not ours run there)."""
+        st = self.workers.get(worker)
+        if st is None:
+            return 0
+        cap = self.kv_capacity.get(worker)
+        return st.kv_tokens + (self._others_kv(worker, st, cap) if cap else 0)
+
+    def _others_kv(self, worker: str, st: WorkerWork, cap: int) -> int:
+        """KV tokens in use by requests not ours, from the engine's last reading: its
+        usage beyond what ours kept then. Only where its engine holds requests not ours
+        (``_unknown``): ours are counted without the blocks a request shares with
+        another we ended, so a reading above our count alone is no one else's."""
+        e = st.engine
+        if e is None or e.kv_usage is None or not self._unknown(worker):
+            return 0
+        return max(0, int(e.kv_usage * cap) - e.own_kv)
+
+    def _kv_wait(self, worker: str, st: WorkerWork, need: int, now: float | None) -> float:
+        """Seconds until ``worker``'s KV cache has room for ``need`` more prompt tokens
+        beside the ones the requests in flight keep (``kv_pinned``): 0 while they fit.
+        Engines admit a waiting request only when its prompt's blocks not already in
+        use fit in the free ones (vLLM's scheduler, SGLang's token budget), first come
+        first served; a request alone always fits. Room frees as requests end: ours
+        decoding at their expected ends (as the slot wait reads them, soonest first,
+        each freeing what it keeps); the rest is kept by requests still waiting or in
+        prefill (ours, others'), which free it one request lifetime (a prefill of the
+        mean uncached size and a mean decode) per cache's worth. Without a clock: the
+        share of the kept tokens that must go, of a mean decode."""
+        cap = self.kv_capacity.get(worker) if need > 0 else None
+        if not cap:
+            return 0.0
+        ours = st.kv_tokens
+        pinned = ours + self._others_kv(worker, st, cap)
+        over = min(pinned, pinned + need - cap)
+        if over <= 0:
+            return 0.0
+        mean_out = st.decode_tokens / st.requests if st.requests else self.mean_output
+        token = st.per_token(max(1, st.requests + self._unknown(worker)))
+        whole = mean_out * token
+        if now is None:
+            return over / pinned * whole
+        self._retime(st)
+        kept = st.kv
+        freed = 0
+        last = token
+        for e in st.ends:
+            freed += kept.get(e[4], 0)
+            last = max(token, e[0] - now)
+            if freed >= over:
+                return last
+        intercept, slope = self.line(st)
+        life = whole + intercept + slope * self.mean_uncached
+        return last + (over - freed) / cap * life
+
+    def _retime(self, st: WorkerWork) -> None:
+        """Re-time ``st``'s decoding ends if its decode line has learned since."""
+        fit = (st.decode.intercept, st.decode.slope)
+        if st.ends_fit != fit:
+            st.ends[:] = sorted(
+                (_ends_at(f, r, b, fit), f, r, b, tid) for _, f, r, b, tid in st.ends
+            )
+            st.ends_fit = fit
 
     def own_prefill(self, worker: str, uncached: int, matched: int = 0) -> float:
         """Predicted seconds of ``worker``'s prefill engine the request itself takes."""
@@ -755,12 +864,19 @@ class LoadModel:
         ) * self.stretch(worker)
 
     def predict(
-        self, workers: Iterable[str], tokens: int, matches: Mapping[str, int]
+        self,
+        workers: Iterable[str],
+        tokens: int,
+        matches: Mapping[str, int],
+        in_flight: Mapping[str, int] | None = None,
     ) -> Predictions:
         """One request's ``ttft``, ``own_prefill`` and ``stretch`` on each of
         ``workers`` (its ``tokens`` of which ``matches`` says each worker holds how
         many), computed once per decision: the same numbers as calling ``ttft``,
-        ``own_prefill``, ``stretch`` and ``cost`` worker by worker."""
+        ``own_prefill``, ``stretch`` and ``cost`` worker by worker. ``in_flight``: per
+        worker, the longest prefix of the prompt one of our requests in flight there
+        shares (what it needs no new KV room for); None: not known, each worker's match
+        is taken for it."""
         ttft: dict[str, float] = {}
         own: dict[str, float] = {}
         stretch: dict[str, float] = {}
@@ -771,6 +887,7 @@ class LoadModel:
         # No capacity known for any worker (none fixed, learned or read): no slot wait.
         no_caps = self.fixed_capacity is None and not self.capacities
         typical = self.typical_capacity()
+        kv_caps = self.kv_capacity
         now = self._now()
         for w in workers:
             matched = matches.get(w, 0)
@@ -800,6 +917,14 @@ class LoadModel:
                 slot, x = 0.0, 1.0
             else:
                 slot, x = self._slots(w, st, typical)
+            room = kv_caps.get(w) if kv_caps else None
+            if room:
+                need = uncached if in_flight is None else tokens - in_flight.get(w, 0)
+                # Cheap test first: it fits beside ours, and no one else runs there.
+                if st.kv_tokens + need > room or self._unknown(w):
+                    kv = self._kv_wait(w, st, need, now)
+                    if kv > slot:
+                        slot = kv
             t = ttft[w] = self._ahead(w, st, intercept, slope, uncached, now) + o + slot
             stretch[w] = x
             price[w] = t * x
@@ -849,6 +974,11 @@ class LoadModel:
             "decode_ms_per_token_alone": round(st.decode.intercept * 1000, 3),
             "decode_ms_per_token_per_request": round(st.decode.slope * 1000, 4),
             "index_trust": round(st.trust, 4),
+            # Prompt tokens our requests in flight keep in its KV cache, and its size as
+            # the engine reported it (None: not reported, no wait for room predicted);
+            # both in the index's units (bytes when routing without a tokenizer).
+            "kv_tokens_in_flight": st.kv_tokens,
+            "kv_capacity_tokens": self.kv_capacity.get(worker),
         }
 
 

@@ -69,6 +69,10 @@ class Decision:
     # Prompt tokens the chosen worker is predicted to hold (None: the policy did not look;
     # the caller then takes ``matched_tokens``). The work model reserves the rest.
     cached_tokens: int | None = None
+    # Prompt tokens the request will keep in the chosen worker's KV cache beyond what
+    # the router's other requests in flight there keep (None: not known; the work model
+    # then takes the uncached ones).
+    kv_tokens: int | None = None
     # Tokens of the prompt the worker held before this decision recorded it (the index
     # insert), or None when nothing was recorded: what ``on_rejected`` rolls back to.
     held_before: int | None = None

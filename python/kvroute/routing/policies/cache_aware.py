@@ -178,18 +178,22 @@ class CacheAware(KeepsPromptsInFlight, Policy):
         looked: tuple[dict[str, int], int, list[str], Tokens] | None = None
         ids: Tokens = tokens
         track = self.precise is not None
+        # Per worker, the longest prefix of the prompt one of its requests in flight
+        # shares: what it needs no new room for in that KV cache (None: not kept).
+        in_flight: dict[str, int] | None = None
         if self.work is not None:
             if n:
                 looked = self.index.lookup(tokens)
                 if not track and self._budget_evicted():
                     track = True
-                    looked = self._with_pending(looked)
+                    in_flight = self._pending.per_worker(looked[3])
+                    looked = self._with_pending(looked, in_flight)
                 matches, ids = looked[0], looked[3]
             else:
                 matches = {}
         if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
-            worker = self._least(loads, None, self._predict(loads, n, matches))
-            decision = self._decision(worker, "imbalance", 0, matches)
+            worker = self._least(loads, None, self._predict(loads, n, matches, in_flight))
+            decision = self._decision(worker, "imbalance", 0, matches, n, in_flight)
             return self._record(decision, n, ids, track)
         approx = looked[0] if looked is not None else None
         precise = (
@@ -216,7 +220,7 @@ class CacheAware(KeepsPromptsInFlight, Policy):
             else:
                 matched = 0
         reason: Reason
-        pred = self._predict(loads, n, matches)
+        pred = self._predict(loads, n, matches, in_flight)
         if n and healthy and matched / n > self.cache_threshold:
             worker = self._least(loads, healthy, pred)
             reason = "cache_hit"
@@ -231,44 +235,60 @@ class CacheAware(KeepsPromptsInFlight, Policy):
                         worker = alt
                         reason = "overflow"
                         matched = 0
+
         else:
             worker = self._least(loads, None, pred)
             reason = "cache_miss"
             matched = 0 if worker not in healthy else matched
-        decision = self._decision(worker, reason, matched, matches)
+        decision = self._decision(worker, reason, matched, matches, n, in_flight)
         decision.precise = precise is not None
+
         return self._record(decision, n, ids, track)
 
     def _with_pending(
-        self, looked: tuple[dict[str, int], int, list[str], Tokens]
+        self, looked: tuple[dict[str, int], int, list[str], Tokens], in_flight: dict[str, int]
     ) -> tuple[dict[str, int], int, list[str], Tokens]:
         """The index's answer (``lookup``) with each worker's match raised to the longest
-        prompt in flight there that shares the request's prefix: what the budget evicted
-        from the index but the engine still holds (module doc)."""
-        per = self._pending.raise_matches(looked[0], looked[3])
+        prompt in flight there that shares the request's prefix (``in_flight``): what the
+        budget evicted from the index but the engine still holds (module doc)."""
+        per = PendingPrompts.raised(looked[0], in_flight)
         if per is None:
             return looked
         best = max(per.values())
         return per, best, [w for w, m in per.items() if m == best], looked[3]
 
     def _decision(
-        self, worker: str, reason: Reason, matched: int, matches: dict[str, int] | None
+        self,
+        worker: str,
+        reason: Reason,
+        matched: int,
+        matches: dict[str, int] | None,
+        n: int = 0,
+        in_flight: dict[str, int] | None = None,
     ) -> Decision:
         """The decision; in work mode it carries what the chosen worker is predicted to
-        hold (its own match, whatever the reason), for the work reservation."""
+        hold (its own match, whatever the reason), for the work reservation, and the
+        prompt tokens it will keep in that KV cache beyond our requests in flight there
+        (when those are kept: ``in_flight``)."""
         d = Decision(worker, reason, matched)
         if matches is not None:
             d.cached_tokens = matches.get(worker, 0)
+            if in_flight is not None:
+                d.kv_tokens = n - in_flight.get(worker, 0)
         return d
 
     def _predict(
-        self, loads: Mapping[str, int], n: int, matches: dict[str, int] | None
+        self,
+        loads: Mapping[str, int],
+        n: int,
+        matches: dict[str, int] | None,
+        in_flight: dict[str, int] | None = None,
     ) -> Predictions | None:
         """This request's predicted TTFT on every healthy worker, once per decision
         (``work``; None on counts)."""
         if self.work is None or matches is None:
             return None
-        return self.work.predict(loads, n, matches)
+        return self.work.predict(loads, n, matches, in_flight)
 
     def _least(
         self, loads: Mapping[str, int], among: Sequence[str] | None, pred: Predictions | None

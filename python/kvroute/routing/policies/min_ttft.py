@@ -93,11 +93,15 @@ class MinTtft(KeepsPromptsInFlight, Policy):
         n = len(tokens)
         matches = self.index.match(tokens) if n else {}
         track = bool(n) and self._budget_evicted()
+        # Per worker, the longest prefix one of its requests in flight shares: no new KV
+        # room needed for it (None: not kept, before the index's budget evicted).
+        in_flight: dict[str, int] | None = None
         if track:
-            matches = self._pending.raise_matches(matches, tokens) or matches
+            in_flight = self._pending.per_worker(tokens)
+            matches = PendingPrompts.raised(matches, in_flight) or matches
         work = self.work
         behind = work.queued_per_worker(loads)
-        pred = work.predict(loads, n, matches)
+        pred = work.predict(loads, n, matches, in_flight)
         scored = [(pred.cost(w, behind), -matches.get(w, 0), w) for w in loads]
         best_t = min(s[0] for s in scored)
         tie = tie_window(best_t)
@@ -123,6 +127,8 @@ class MinTtft(KeepsPromptsInFlight, Policy):
         else:
             reason = "overflow"
         decision = Decision(worker, reason, matched, cached_tokens=matched)
+        if in_flight is not None:
+            decision.kv_tokens = n - in_flight.get(worker, 0)
         if n:
             decision.held_before = self.index.insert(worker, tokens)
             if track or self._budget_evicted():
