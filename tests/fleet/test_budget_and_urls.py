@@ -45,6 +45,13 @@ def test_budgets_scale_fall_back_and_share_the_cap() -> None:
     b.apply(idx, ["a", "b", "c", "d"])  # a fourth worker: b's share shrinks, evicting at once
     assert idx.cached_tokens("b") <= 2_250
     idx.check_invariants()
+    # The KV capacities the work model waits for room in: the reported ones only, in
+    # index units, not capped by the share; a worker that left is dropped.
+    b.reported["c"] = 5_000
+    b.apply(idx, ["a", "b", "c", "d"])
+    assert b.kv_units == {"a": 2_000, "c": 20_000}
+    b.apply(idx, ["a", "b", "d"])
+    assert b.kv_units == {"a": 2_000}
 
 
 def test_bytes_per_token_are_learned_from_the_answers() -> None:
