@@ -340,15 +340,18 @@ def test_a_request_waits_for_room_in_the_kv_cache_until_requests_in_flight_end()
     assert m.kv_wait("w", 40_000) == pytest.approx(1000 * d)
     # A prompt larger than the cache runs alone: after every request in flight.
     assert m.kv_wait("w", 60_000) == pytest.approx(1000 * d)
-    # The wait is part of the predicted TTFT (with the slot wait, the longer of the two)
-    # and of the per-decision predictions.
+    # The wait is part of a routed request's predicted TTFT (with the slot wait, the
+    # longer of the two), the one its first byte is checked against and the first-byte
+    # deadline reads; the per-decision predictions leave it out.
     assert m.ttft("w", 40_000, kv=40_000) == pytest.approx(m.ttft("w", 40_000, kv=0) + 1000 * d)
+    alone = m.ttft("w", 40_000, kv=0)
+    ticket = m.reserve("w", 40_000, 10, now=0.0, kv=40_000)
+    assert ticket.predicted == pytest.approx(alone + 1000 * d)
+    assert not ticket.clean  # its first byte will not time its own prefill alone
+    ticket.end(0.0)
     pred = m.predict(["w"], 40_000, {})
-    assert pred.slot["w"] == pytest.approx(1000 * d)
-    assert pred.ttft["w"] == pytest.approx(m.ttft("w", 40_000, kv=40_000))
-    # The prefix a request shares with one of ours in flight there needs no new room.
-    shared = m.predict(["w"], 40_000, {"w": 20_000}, in_flight={"w": 30_000})
-    assert shared.slot["w"] == 0.0
+    assert pred.slot["w"] == 0.0
+    assert pred.ttft["w"] == pytest.approx(alone)
     # Released exactly once, with the rest of the ticket.
     short.end(1.0, 101)
     short.end(2.0, 101)

@@ -183,12 +183,13 @@ def test_cache_aware_work_leaves_a_holder_whose_queue_costs_more_than_its_cache_
 
 
 @pytest.mark.parametrize("policy", ["cache_aware", "min_ttft"])
-def test_a_holder_whose_kv_cache_the_requests_in_flight_fill_is_left(policy: str) -> None:
+def test_a_wait_for_kv_room_is_predicted_but_does_not_move_the_request(policy: str) -> None:
     """The holder of a 12,000-token prefix runs a long answer to a 45,000-token prompt in
-    its 50,000-token KV cache: a 20,000-token request sharing that prefix would wait for
-    the answer to end before the engine admits it (the slots are free). Priced with the
-    wait for KV room, it goes to a worker with room; without the capacity known, the
-    cache wins."""
+    its 50,000-token KV cache: a 20,000-token request sharing that prefix waits for the
+    answer to end before the engine admits it (its slots are free). Its predicted TTFT
+    says so (the first-byte deadline reads it); the choice leaves the wait out and
+    follows the cache: sent elsewhere, the prefix starts a second copy in another cache
+    (priced into choices, it cost chat 8% of its capacity in the simulator)."""
     pol, model = setup(policy)
     clock = [0.0]
     model.clock = lambda: clock[0]
@@ -196,14 +197,15 @@ def test_a_holder_whose_kv_cache_the_requests_in_flight_fill_is_left(policy: str
     prompt = prefix + tokens(9, 8_000)
     pol.index.insert("a", prefix)  # type: ignore[attr-defined]
     loads = {"a": 1, "b": 0, "c": 0}
+    model.kv_capacity = dict.fromkeys(WORKERS, 50_000)
     model.reserve("a", 45_000, 4000, now=0.0).first_byte(0.1)
     clock[0] = 0.2
     d = pol.select(RouteRequest(prompt), loads)  # type: ignore[attr-defined]
-    assert d.worker == "a"  # no KV capacity known: the cache holder
-    pol.index.rollback("a", prompt, d.held_before)  # type: ignore[attr-defined]
-    model.kv_capacity = dict.fromkeys(WORKERS, 50_000)
-    d = pol.select(RouteRequest(prompt), loads)  # type: ignore[attr-defined]
-    assert d.worker in ("b", "c") and d.reason == "overflow"
+    assert d.worker == "a"
+    unwaited = model.ttft("a", 8_000, 12_000, kv=0)
+    ticket = model.reserve("a", 8_000, 10, now=0.2, matched=12_000, kv=d.kv_tokens)
+    assert ticket.predicted > unwaited + 10.0  # the 4,000-token answer's end
+    assert model.kv_wait("b", 20_000) == 0.0
 
 
 @pytest.mark.parametrize("policy", ["cache_aware", "min_ttft"])

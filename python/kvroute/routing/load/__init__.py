@@ -127,8 +127,14 @@ The prediction (``ttft``), for a request with ``uncached`` tokens on worker ``w`
               others' from the engine's KV usage beyond ours (only where requests not
               ours run). Room frees as ours decoding end, soonest first, each its
               tokens; the rest is freed one request lifetime (a prefill of the mean
-              uncached size and a mean decode) per cache's worth. The longer of
-              slot_wait and kv_wait is the wait counted (``slot`` in the predictions).
+              uncached size and a mean decode) per cache's worth. A routed request's
+              predicted TTFT (its ticket's: checked against its first byte, and what
+              the first-byte deadline reads) counts the longer of slot_wait and
+              kv_wait; choices (``predict``) leave kv_wait out. Moving a request off a
+              worker whose cache is full starts a second copy of its prefix in
+              another cache: priced into choices, the wait cost chat 8% of its
+              capacity at the TTFT SLO in the simulator and an overloaded closed-loop
+              shape 6 points of hit rate (docs/studies/work-aware.md).
 
 The price a choice compares (``Predictions.price``, ``cost``): the prediction stretched
 for the worker's occupied decode slots, ``ttft * stretch(w)`` with ::

@@ -290,9 +290,8 @@ def _own(st: WorkerWork, intercept: float, slope: float, uncached: int, matched:
 
 class Predictions:
     """One request's predicted time to first token (``ttft``), own prefill seconds
-    (``own``), wait to be admitted (``slot``, part of ``ttft``: for a decode slot or
-    for room in the KV cache, the longer; above 0 only on a worker at its capacity or
-    with its KV cache full) and occupancy stretch (``stretch``, ``LoadModel.stretch``)
+    (``own``), wait for a decode slot (``slot``, part of ``ttft``: above 0 only on a
+    worker at its capacity) and occupancy stretch (``stretch``, ``LoadModel.stretch``)
     per worker, as ``LoadModel.predict`` computed them for one decision; ``price``: the
     time a choice compares, ``ttft`` times ``stretch``."""
 
@@ -864,19 +863,13 @@ class LoadModel:
         ) * self.stretch(worker)
 
     def predict(
-        self,
-        workers: Iterable[str],
-        tokens: int,
-        matches: Mapping[str, int],
-        in_flight: Mapping[str, int] | None = None,
+        self, workers: Iterable[str], tokens: int, matches: Mapping[str, int]
     ) -> Predictions:
         """One request's ``ttft``, ``own_prefill`` and ``stretch`` on each of
         ``workers`` (its ``tokens`` of which ``matches`` says each worker holds how
-        many), computed once per decision: the same numbers as calling ``ttft``,
-        ``own_prefill``, ``stretch`` and ``cost`` worker by worker. ``in_flight``: per
-        worker, the longest prefix of the prompt one of our requests in flight there
-        shares (what it needs no new KV room for); None: not known, each worker's match
-        is taken for it."""
+        many), computed once per decision: the same numbers as calling ``ttft`` (with
+        ``kv=0``: choices leave the wait for KV room out, module doc), ``own_prefill``,
+        ``stretch`` and ``cost`` worker by worker."""
         ttft: dict[str, float] = {}
         own: dict[str, float] = {}
         stretch: dict[str, float] = {}
@@ -887,7 +880,6 @@ class LoadModel:
         # No capacity known for any worker (none fixed, learned or read): no slot wait.
         no_caps = self.fixed_capacity is None and not self.capacities
         typical = self.typical_capacity()
-        kv_caps = self.kv_capacity
         now = self._now()
         for w in workers:
             matched = matches.get(w, 0)
@@ -917,14 +909,6 @@ class LoadModel:
                 slot, x = 0.0, 1.0
             else:
                 slot, x = self._slots(w, st, typical)
-            room = kv_caps.get(w) if kv_caps else None
-            if room:
-                need = uncached if in_flight is None else tokens - in_flight.get(w, 0)
-                # Cheap test first: it fits beside ours, and no one else runs there.
-                if st.kv_tokens + need > room or self._unknown(w):
-                    kv = self._kv_wait(w, st, need, now)
-                    if kv > slot:
-                        slot = kv
             t = ttft[w] = self._ahead(w, st, intercept, slope, uncached, now) + o + slot
             stretch[w] = x
             price[w] = t * x

@@ -192,7 +192,7 @@ class CacheAware(KeepsPromptsInFlight, Policy):
             else:
                 matches = {}
         if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
-            worker = self._least(loads, None, self._predict(loads, n, matches, in_flight))
+            worker = self._least(loads, None, self._predict(loads, n, matches))
             decision = self._decision(worker, "imbalance", 0, matches, n, in_flight)
             return self._record(decision, n, ids, track)
         approx = looked[0] if looked is not None else None
@@ -220,7 +220,7 @@ class CacheAware(KeepsPromptsInFlight, Policy):
             else:
                 matched = 0
         reason: Reason
-        pred = self._predict(loads, n, matches, in_flight)
+        pred = self._predict(loads, n, matches)
         if n and healthy and matched / n > self.cache_threshold:
             worker = self._least(loads, healthy, pred)
             reason = "cache_hit"
@@ -278,17 +278,13 @@ class CacheAware(KeepsPromptsInFlight, Policy):
         return d
 
     def _predict(
-        self,
-        loads: Mapping[str, int],
-        n: int,
-        matches: dict[str, int] | None,
-        in_flight: dict[str, int] | None = None,
+        self, loads: Mapping[str, int], n: int, matches: dict[str, int] | None
     ) -> Predictions | None:
         """This request's predicted TTFT on every healthy worker, once per decision
         (``work``; None on counts)."""
         if self.work is None or matches is None:
             return None
-        return self.work.predict(loads, n, matches, in_flight)
+        return self.work.predict(loads, n, matches)
 
     def _least(
         self, loads: Mapping[str, int], among: Sequence[str] | None, pred: Predictions | None

@@ -94,14 +94,15 @@ class MinTtft(KeepsPromptsInFlight, Policy):
         matches = self.index.match(tokens) if n else {}
         track = bool(n) and self._budget_evicted()
         # Per worker, the longest prefix one of its requests in flight shares: no new KV
-        # room needed for it (None: not kept, before the index's budget evicted).
+        # room needed for it, for the work reservation (None: not kept, before the
+        # index's budget evicted).
         in_flight: dict[str, int] | None = None
         if track:
             in_flight = self._pending.per_worker(tokens)
             matches = PendingPrompts.raised(matches, in_flight) or matches
         work = self.work
         behind = work.queued_per_worker(loads)
-        pred = work.predict(loads, n, matches, in_flight)
+        pred = work.predict(loads, n, matches)
         scored = [(pred.cost(w, behind), -matches.get(w, 0), w) for w in loads]
         best_t = min(s[0] for s in scored)
         tie = tie_window(best_t)
