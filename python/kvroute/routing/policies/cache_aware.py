@@ -235,14 +235,12 @@ class CacheAware(KeepsPromptsInFlight, Policy):
                         worker = alt
                         reason = "overflow"
                         matched = 0
-
         else:
             worker = self._least(loads, None, pred)
             reason = "cache_miss"
             matched = 0 if worker not in healthy else matched
         decision = self._decision(worker, reason, matched, matches, n, in_flight)
         decision.precise = precise is not None
-
         return self._record(decision, n, ids, track)
 
     def _with_pending(
