@@ -124,7 +124,6 @@ class Ticket:
         "expected_out",
         "first_at",
         "id",
-        "kv",
         "output_tokens",
         "predicted",
         "predicted_cached",
@@ -152,7 +151,6 @@ class Ticket:
     ) -> None:
         self._model = model
         self.id = tid
-        self.kv = kv  # prompt tokens it keeps in the worker's KV cache (``reserve``)
         self.worker = worker
         self.state = state
         self.uncached = uncached
@@ -252,8 +250,7 @@ class Ticket:
                 ends[:] = [e for e in ends if e[4] != self.id]
         st.requests -= 1
         st.decode_tokens -= self.expected_out
-        if st.kv.pop(self.id, None) is not None:
-            st.kv_tokens -= self.kv
+        st.kv_tokens -= st.kv.pop(self.id, 0)
         self._model.changed(self.worker)
         if self.sample is not None:
             # Learned at the end, when the engine may have said what it really had

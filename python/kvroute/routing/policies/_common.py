@@ -155,17 +155,10 @@ class PendingPrompts:
                 out[w] = n
         return out
 
-    def raise_matches(
-        self, matches: Mapping[str, int], tokens: Sequence[int] | TokenIds | bytes
-    ) -> dict[str, int] | None:
-        """``matches`` (the index's, per worker) with each raised to what is in flight
-        there, or None when nothing in flight raises any."""
-        return self.raised(matches, self.per_worker(tokens))
-
     @staticmethod
     def raised(matches: Mapping[str, int], in_flight: Mapping[str, int]) -> dict[str, int] | None:
-        """``matches`` with each raised to ``in_flight``'s (``per_worker``), or None
-        when none is raised."""
+        """``matches`` (the index's, per worker) with each raised to what is in flight
+        there (``per_worker``), or None when nothing in flight raises any."""
         per: dict[str, int] | None = None
         for w, n in in_flight.items():
             if n > matches.get(w, 0):
