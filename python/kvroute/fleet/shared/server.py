@@ -41,7 +41,7 @@ def client_for(url: wire.StoreURL, **kwargs: Any) -> aioredis.Redis:
     sentinel_kwargs = {k: v for k, v in kwargs.items() if k.startswith("socket_")}
     if given := dict(parse_qsl(parts.query)).get("sentinel_password"):
         sentinel_kwargs["password"] = given
-    manager = Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
+    manager = Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call,unused-ignore]
     client: aioredis.Redis = manager.master_for(service, db=db, password=password, **kwargs)
     return client
 
