@@ -162,6 +162,36 @@ def test_cache_aware_work_guard_keeps_a_hit_on_a_full_holder_that_answers_sooner
     assert (d.worker, d.reason) == ("a", "cache_hit")
 
 
+def test_cache_aware_count_guard_moves_off_a_full_holder_only_when_the_move_costs_less() -> None:
+    """The holder is full by count and its request waits for a slot (0.4 s); the others
+    would answer sooner (0.3 s), but with a cold 4,000-token prefill that every request
+    queued after it on that worker waits for too. The count guard used to move on the
+    sooner TTFT alone; it now compares the same unstretched costs as the work guard
+    (the request's TTFT plus the delay its prefill adds behind it), so the hit stays.
+    Moves on TTFT alone stacked conversations onto a few workers while a fresh router
+    had learned few capacities (module doc)."""
+    pol, model = setup("cache_aware", worker_capacity=4)
+    prompt = tokens(8, 4000)
+    pol.index.insert("a", prompt)  # type: ignore[attr-defined]
+    loads = {"a": 4, "b": 2, "c": 2}  # a is full by count
+    for _ in range(4):
+        model.reserve("a", 10, 100, now=0.0).first_byte(0.0, learn=False)  # decoding
+    for w in ("b", "c"):
+        for _ in range(2):
+            model.reserve(w, 200, 40, now=0.0)  # waiting for their first byte
+    pred = model.predict(WORKERS, len(prompt), {"a": len(prompt)})
+    behind = model.queued_per_worker(WORKERS)
+    assert pred.slot["a"] > 0 and pred.ttft["b"] < pred.ttft["a"]  # b answers sooner
+    assert pred.unstretched_cost("b", behind) > pred.unstretched_cost("a", behind)
+    d = pol.select(RouteRequest(prompt), loads)  # type: ignore[attr-defined]
+    assert (d.worker, d.reason) == ("a", "cache_hit")
+    # With a slot far off (long answers), the move costs less and is made.
+    for _ in range(4):
+        model.reserve("a", 10, 5000, now=0.0).first_byte(0.0, learn=False)
+    d = pol.select(RouteRequest(prompt), {"a": 8, "b": 2, "c": 2})  # type: ignore[attr-defined]
+    assert d.worker in ("b", "c") and d.reason == "overflow"
+
+
 def test_cache_aware_work_leaves_a_holder_whose_queue_costs_more_than_its_cache_saves() -> None:
     """Not full by count (no capacity known), but 20k tokens of prefill queued ahead on
     the holder: the request goes elsewhere (``overflow``) once that costs less; the

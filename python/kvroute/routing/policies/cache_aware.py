@@ -62,10 +62,14 @@ one with a 200-token prompt, and a slow worker is seen as slow; equal prediction
 the fewer requests in flight, then rotate. These choices use the prediction's
 *price*: stretched by 1 / (1 - occupied decode slots / capacity), since the later
 requests of a prefix follow it to its worker (``kvroute.routing.load``). The saturation
-guard fires on the same count test, and then moves the request only to a worker
-predicted to answer sooner than the full holder: predicted TTFTs, not prices (the full
-holder's wait for a slot is in its prediction; its stretch, the capacity itself once
-full, is no time the request waits). It also fires on work, full or not:
+guard fires on the same count test, and then moves the request only where that costs
+less than the full holder: the costs the work guard compares (below), unstretched (the
+full holder's wait for a slot is in its prediction; its stretch, the capacity itself
+once full, is no time the request waits). Compared on predicted TTFTs alone, a cold
+prefill that answered before a slot freed won, although every request queued after it
+there waits for it too; each such move took a conversation's later turns along to a
+worker that had one of its own, and while a fresh router knew few capacities the moves
+stacked conversations. It also fires on work, full or not:
 when sending the request to the cache holder costs more than sending it to the cheapest
 worker (``LoadModel.cost``: predicted TTFT plus the delay its own prefill adds to the
 requests that will queue behind it, the cost ``min_ttft`` minimises), it goes there
@@ -231,7 +235,7 @@ class CacheAware(KeepsPromptsInFlight, Policy):
                 free = [w for w in loads if not self._full(w, loads)]
                 if free:
                     alt = self._least(loads, free, pred)
-                    if self._sooner(alt, worker, pred):
+                    if self._move_pays(alt, worker, loads, pred):
                         worker = alt
                         reason = "overflow"
                         matched = 0
@@ -296,12 +300,15 @@ class CacheAware(KeepsPromptsInFlight, Policy):
         price = pred.price
         return self._ties.least_by({w: price[w] for w in among if w in loads}, loads)
 
-    def _sooner(self, alt: str, holder: str, pred: Predictions | None) -> bool:
+    def _move_pays(
+        self, alt: str, holder: str, loads: Mapping[str, int], pred: Predictions | None
+    ) -> bool:
         """Guard: does moving off the full ``holder`` to ``alt`` pay? (always, on counts;
-        on work, when ``alt``'s predicted TTFT is the shorter: module doc)"""
-        if pred is None:
+        on work, when ``alt``'s unstretched cost is the lower: module doc)"""
+        if pred is None or self.work is None:
             return True
-        return pred.ttft[alt] < pred.ttft[holder]
+        behind = self.work.queued_per_worker(loads)
+        return pred.unstretched_cost(alt, behind) < pred.unstretched_cost(holder, behind)
 
     def _cheaper(
         self, holder: str, loads: Mapping[str, int], pred: Predictions | None
