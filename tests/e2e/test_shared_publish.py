@@ -157,21 +157,24 @@ async def test_a_redis_cluster_is_refused_once_and_routing_stays_local(
     hash slots): the store says so once, keeps retrying with backoff, and the router
     routes on its own index."""
     server = RedisServer(tmp_path, extra=cluster_flags(tmp_path))
-    registry = Registry(Settings(worker_urls=[W]).validate())
-    registry.add(W)
-    index = DigestIndex()
-    store = StateStore(StoreURL(server.url), registry, index, router_url="http://r:1", version="t")
-    caplog.set_level("ERROR", "kvroute.fleet.shared")
-    await store.start()
     try:
-        assert await until(lambda: store.counters.errors >= 3, within=10)
-        assert not store.connected
-        said = [r.getMessage() for r in caplog.records if "Redis Cluster" in r.getMessage()]
-        assert len(said) == 1 and "routing on local state" in said[0]
-        index.insert(W, prompt(1))
-        assert index.match(prompt(1)) == {W: 64}
-        with server.client() as c:
-            assert c.dbsize() == 0  # nothing was written there
+        registry = Registry(Settings(worker_urls=[W]).validate())
+        registry.add(W)
+        index = DigestIndex()
+        url = StoreURL(server.url)
+        store = StateStore(url, registry, index, router_url="http://r:1", version="t")
+        caplog.set_level("ERROR", "kvroute.fleet.shared")
+        await store.start()
+        try:
+            assert await until(lambda: store.counters.errors >= 3, within=10)
+            assert not store.connected
+            said = [r.getMessage() for r in caplog.records if "Redis Cluster" in r.getMessage()]
+            assert len(said) == 1 and "routing on local state" in said[0]
+            index.insert(W, prompt(1))
+            assert index.match(prompt(1)) == {W: 64}
+            with server.client() as c:
+                assert c.dbsize() == 0  # nothing was written there
+        finally:
+            await store.stop()
     finally:
-        await store.stop()
-        server.stop()
+        server.stop()  # also when the store fails to start

@@ -36,8 +36,8 @@ from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 import kvroute.fleet.shared.wire as wire
 from kvroute.fleet.budget import IndexBudget
