@@ -228,14 +228,17 @@ class CacheAware(KeepsPromptsInFlight, Policy):
         if n and healthy and matched / n > self.cache_threshold:
             worker = self._least(loads, healthy, pred)
             reason = "cache_hit"
-            alt = self._cheaper(worker, loads, pred)
+            # Requests expected to queue behind new work, for both guards' costs.
+            work = self.work
+            behind = work.queued_per_worker(loads) if work is not None and pred is not None else 0.0
+            alt = self._cheaper(worker, loads, pred, behind)
             if alt is not None:
                 worker, reason, matched = alt, "overflow", 0
             elif self._full(worker, loads):
                 free = [w for w in loads if not self._full(w, loads)]
                 if free:
                     alt = self._least(loads, free, pred)
-                    if self._move_pays(alt, worker, loads, pred):
+                    if self._move_pays(alt, worker, pred, behind):
                         worker = alt
                         reason = "overflow"
                         matched = 0
@@ -300,26 +303,22 @@ class CacheAware(KeepsPromptsInFlight, Policy):
         price = pred.price
         return self._ties.least_by({w: price[w] for w in among if w in loads}, loads)
 
-    def _move_pays(
-        self, alt: str, holder: str, loads: Mapping[str, int], pred: Predictions | None
-    ) -> bool:
+    def _move_pays(self, alt: str, holder: str, pred: Predictions | None, behind: float) -> bool:
         """Guard: does moving off the full ``holder`` to ``alt`` pay? (always, on counts;
-        on work, when ``alt``'s unstretched cost is the lower: module doc)"""
-        if pred is None or self.work is None:
+        on work, when ``alt``'s unstretched cost is the lower: module doc; ``behind``:
+        ``LoadModel.queued_per_worker``)"""
+        if pred is None:
             return True
-        behind = self.work.queued_per_worker(loads)
         return pred.unstretched_cost(alt, behind) < pred.unstretched_cost(holder, behind)
 
     def _cheaper(
-        self, holder: str, loads: Mapping[str, int], pred: Predictions | None
+        self, holder: str, loads: Mapping[str, int], pred: Predictions | None, behind: float
     ) -> str | None:
         """Work guard: the worker that costs less than the cache ``holder`` for this
         request (``LoadModel.cost``: its TTFT there plus the delay its prefill adds to
-        the requests queued behind it), or None (always, on counts)."""
-        work = self.work
-        if work is None or pred is None:
+        the ``behind`` requests queued after it), or None (always, on counts)."""
+        if pred is None:
             return None
-        behind = work.queued_per_worker(loads)
         if pred.slot[holder] > 0.0:
             # The holder is full: its wait for a slot is in its prediction, and its
             # stretch (the capacity itself) is no time the request waits. Stretched,
