@@ -425,8 +425,9 @@ def test_edge_reads_a_worker_at_most_once_a_gap(monkeypatch: pytest.MonkeyPatch)
     now = [100.0]
     monkeypatch.setattr("kvroute.fleet.health.time.monotonic", lambda: now[0])
 
-    async def read(_: object, worker: str) -> None:
+    async def read(_: object, worker: str) -> bool:
         started.append(worker)
+        return True  # the engine's counts were read
 
     monkeypatch.setattr("kvroute.fleet.health.poll_engine_load", read)
 
@@ -454,6 +455,50 @@ def test_edge_reads_a_worker_at_most_once_a_gap(monkeypatch: pytest.MonkeyPatch)
         edge.after_reserve(url)
         await asyncio.sleep(0)
         assert started == [url, url]
+        await edge.close()
+
+    asyncio.run(run())
+
+
+def test_edge_reads_wait_longer_after_a_reading_that_found_no_load(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An engine whose /metrics has no running/waiting counts (absent, an error, another
+    kind of server) never teaches a capacity, so its requests stay above the floor: after
+    such a reading the next one between checks waits ``blind_s``, not the gap, and once
+    a reading finds counts again the gap applies again."""
+    url = "http://w1:8000"
+    state = _Fleet(url)
+    started: list[str] = []
+    answers = [False, True, True]
+    now = [100.0]
+    monkeypatch.setattr("kvroute.fleet.health.time.monotonic", lambda: now[0])
+
+    async def read(_: object, worker: str) -> bool:
+        started.append(worker)
+        return answers[len(started) - 1]
+
+    monkeypatch.setattr("kvroute.fleet.health.poll_engine_load", read)
+
+    async def run() -> None:
+        edge = EdgeReads(state, blind_s=4.0)  # type: ignore[arg-type]
+        state.registry.workers[url].in_flight = 3  # above the floor (none seen yet)
+        edge.after_reserve(url)
+        await asyncio.sleep(0)
+        assert len(started) == 1  # found nothing
+        for _ in range(15):  # a gap apart, up to 3.75 s: within blind_s of that reading
+            now[0] += EDGE_READ_GAP_S
+            edge.after_reserve(url)
+            await asyncio.sleep(0)
+            assert len(started) == 1
+        now[0] = 104.0  # blind_s after the reading: read again, this time counts found
+        edge.after_reserve(url)
+        await asyncio.sleep(0)
+        assert len(started) == 2
+        now[0] += EDGE_READ_GAP_S  # a gap after a reading that found counts: read again
+        edge.after_reserve(url)
+        await asyncio.sleep(0)
+        assert len(started) == 3
         await edge.close()
 
     asyncio.run(run())

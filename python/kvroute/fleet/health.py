@@ -19,8 +19,11 @@ Between checks (``EdgeReads``), a worker whose capacity is not yet learned has i
 was seen running with nothing waiting: the moment it may start queueing, which is when
 a reading teaches its capacity (at that many or fewer, it teaches nothing new). A queue
 that forms and drains between two checks (every 5 s by default) teaches nothing, and
-until a capacity is known the work model and the guard work without it. Only for the
-work model: SGLang's rule (``--load-metric requests``) reads engines as it always did.
+until a capacity is known the work model and the guard work without it. A reading that
+finds no running/waiting counts (an engine without load gauges, which will never teach
+a capacity) puts the worker's next one a health check's interval away, not a quarter of
+a second. Only for the work model: SGLang's rule (``--load-metric requests``) reads
+engines as it always did.
 """
 
 from __future__ import annotations
@@ -84,16 +87,17 @@ async def read_reported_capacity(state: Checked, url: str) -> None:
         log.info("%s reports it runs %d requests at once", url, capacity)
 
 
-async def poll_engine_load(state: Checked, url: str) -> None:
+async def poll_engine_load(state: Checked, url: str) -> bool:
     """Read ``url``'s running/waiting counts from its /metrics: the learner's capacity
-    and the load its engine holds beyond this router's requests."""
+    and the load its engine holds beyond this router's requests. False: no counts read
+    (no answer, not 200, or no running/waiting gauges in it)."""
     before = _routed(state, url)
     body = await read_body(state, url, "/metrics")
     if body is None:
-        return
+        return False
     load = parse_engine_load(body)
     if load is None:
-        return
+        return False
     if state.capacity is not None:
         state.capacity.observe(url, *load)
     if url in state.registry.workers:
@@ -104,6 +108,7 @@ async def poll_engine_load(state: Checked, url: str) -> None:
         routed = max(before, _routed(state, url))
         state.others[url] = others_load(*load, routed)
         state.work.observe_engine(url, *load, parse_kv_usage(body))
+    return True
 
 
 def _routed(state: Checked, url: str) -> int:
@@ -122,6 +127,10 @@ def _routed(state: Checked, url: str) -> int:
 # random fleets with capacities learned this way, TTFT p90, p99 and mean 0-6% lower at
 # 0.8x and 1.0x load than with 1 s; docs/studies/work-aware.md).
 EDGE_READ_GAP_S = 0.25
+# After a reading that found no running/waiting counts (no /metrics, or not an engine's),
+# the worker's next one between checks waits this long (``EdgeReads``): by default a
+# health check's interval, whose own reading comes meanwhile.
+EDGE_READ_BLIND_S = 5.0
 
 
 class EdgeReads:
@@ -135,9 +144,15 @@ class EdgeReads:
         state: Checked,
         gap_s: float = EDGE_READ_GAP_S,
         on_read: Callable[[], object] | None = None,
+        blind_s: float = EDGE_READ_BLIND_S,
     ) -> None:
         self.state = state
         self.gap_s = gap_s
+        # After a reading that found no counts, the next waits this long, not ``gap_s``:
+        # an engine without load gauges (SGLang without --enable-metrics, a proxy, a
+        # server of another kind) never teaches a capacity, so its requests stay above
+        # the floor, and it was read four times a second for as long as traffic lasted.
+        self.blind_s = max(gap_s, blind_s)
         self.on_read = on_read  # called at each reading started (a metric)
         self._last: dict[str, float] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -166,12 +181,16 @@ class EdgeReads:
         self._tasks[url] = task
 
     async def _read(self, url: str) -> None:
+        read = False
         try:
-            await poll_engine_load(self.state, url)
+            read = await poll_engine_load(self.state, url)
         except Exception:  # a reading must never take anything down with it
             log.exception("reading %s's engine load failed", url)
         finally:
             self._tasks.pop(url, None)
+            if not read and url in self._last:
+                # Nothing learned: the next reading after ``blind_s``, not ``gap_s``.
+                self._last[url] = time.monotonic() + self.blind_s - self.gap_s
 
     async def close(self) -> None:
         """Cancel the readings in progress (shutdown)."""

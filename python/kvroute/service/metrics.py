@@ -289,7 +289,9 @@ class RouterMetrics:
         self.edge_reads = Counter(
             "kvroute_engine_reads_between_checks",
             "Engine /metrics readings between health checks: a worker whose capacity is not "
-            "learned, with more requests routed to it than it was seen running with none waiting",
+            "learned, with more requests routed to it than it was seen running with none waiting; "
+            "at most every 0.25 s, and a health check's interval after a reading that found no "
+            "running/waiting counts",
             registry=r,
         )
         self.model_requests = FlushingCounter(

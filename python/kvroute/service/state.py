@@ -361,7 +361,11 @@ def build_state(settings: Settings, tokenizer: PromptTokenizer | None = None) ->
         state.polls_engine = True
         if state.capacity is not None and uses_work:
             # The work model's (SGLang's rule, --load-metric requests, stays as it was).
-            state.edge = EdgeReads(state, on_read=state.metrics.edge_reads.inc)
+            state.edge = EdgeReads(
+                state,
+                on_read=state.metrics.edge_reads.inc,
+                blind_s=settings.health_check_interval_secs,
+            )
         if hasattr(policy, "others"):
             policy.others = state.others
         work.others = state.others
