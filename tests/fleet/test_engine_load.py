@@ -25,7 +25,7 @@ from kvroute.routing.policies import RouteRequest, create_policy
 from kvroute.sim.cost import CostModel
 from kvroute.sim.fleet import FleetConfig, compare
 from kvroute.sim.workloads import gsp
-from support import metric, start_router
+from support import metric, start_fake_worker, start_router
 
 VLLM = b"""# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
@@ -502,6 +502,36 @@ def test_edge_reads_wait_longer_after_a_reading_that_found_no_load(
         await edge.close()
 
     asyncio.run(run())
+
+
+def test_router_reads_a_worker_without_load_gauges_once_per_health_interval(
+    tmp_path: Path, processes: list[Server]
+) -> None:
+    """A worker whose /metrics answers 404 (the test worker's, as an engine without
+    load gauges) never teaches a capacity, so every request routed to it is above its
+    floor. With requests in flight for several read gaps, the router reads it between
+    checks once, not once per gap, and every request is answered."""
+    worker = start_fake_worker(tmp_path)
+    processes.append(worker)
+    httpx.post(worker.url + "/control", json={"mode": "ok", "delay_s": 0.2}, timeout=5)
+    router = start_router([worker.url], tmp_path, "--health-check-interval-secs", "60")
+    processes.append(router)
+    body = {"model": "fake-model", "prompt": "hello", "max_tokens": 4}
+
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(base_url=router.url, timeout=30) as c:
+            codes: list[int] = []
+            for _ in range(12):  # 12 rounds of 0.2 s: about 10 read gaps with requests in flight
+                answers = await asyncio.gather(
+                    *(c.post("/v1/completions", json=body) for _ in range(2))
+                )
+                codes += [r.status_code for r in answers]
+            return codes
+
+    codes = asyncio.run(run())
+    assert codes == [200] * 24
+    reads = metric(router, "kvroute_engine_reads_between_checks_total")
+    assert reads == 1, f"{reads} readings between checks of an engine that has no gauges"
 
 
 def test_router_counts_load_that_bypassed_it(tmp_path: Path, processes: list[Server]) -> None:
