@@ -130,7 +130,7 @@ EDGE_READ_GAP_S = 0.25
 # After a reading that found no running/waiting counts (no /metrics, or not an engine's),
 # the worker's next one between checks waits this long (``EdgeReads``): by default a
 # health check's interval, whose own reading comes meanwhile.
-EDGE_READ_BLIND_S = 5.0
+EDGE_READ_BLIND_S = Settings.health_check_interval_secs
 
 
 class EdgeReads:
@@ -154,7 +154,7 @@ class EdgeReads:
         # the floor, and it was read four times a second for as long as traffic lasted.
         self.blind_s = max(gap_s, blind_s)
         self.on_read = on_read  # called at each reading started (a metric)
-        self._last: dict[str, float] = {}
+        self._next: dict[str, float] = {}  # per worker: no reading before this time
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     def after_reserve(self, url: str) -> None:
@@ -170,11 +170,11 @@ class EdgeReads:
         if w is None or w.in_flight + registry.peer_load.get(url, 0) <= learner.floors.get(url, 0):
             return
         now = time.monotonic()
-        if now - self._last.get(url, -self.gap_s) < self.gap_s:
+        if now < self._next.get(url, now):
             return
-        if len(self._last) > 2 * len(registry.workers) + 16:  # workers that left
-            self._last = {u: t for u, t in self._last.items() if u in registry.workers}
-        self._last[url] = now
+        if len(self._next) > 2 * len(registry.workers) + 16:  # workers that left
+            self._next = {u: t for u, t in self._next.items() if u in registry.workers}
+        self._next[url] = now + self.gap_s
         if self.on_read is not None:
             self.on_read()
         task = asyncio.get_running_loop().create_task(self._read(url))
@@ -188,9 +188,9 @@ class EdgeReads:
             log.exception("reading %s's engine load failed", url)
         finally:
             self._tasks.pop(url, None)
-            if not read and url in self._last:
+            if not read and url in self._next:
                 # Nothing learned: the next reading after ``blind_s``, not ``gap_s``.
-                self._last[url] = time.monotonic() + self.blind_s - self.gap_s
+                self._next[url] = time.monotonic() + self.blind_s
 
     async def close(self) -> None:
         """Cancel the readings in progress (shutdown)."""
