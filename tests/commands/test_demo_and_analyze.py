@@ -16,7 +16,8 @@ from kvroute.eval.procs import kvroute_argv
 
 def test_demo_json_end_to_end(tmp_path: Path) -> None:
     """Real sim-worker and router processes on loopback, a workload small enough for
-    seconds: cache_aware reaches the workload's hit-rate bound, round_robin does not."""
+    seconds: cache_aware reaches the workload's hit-rate bound (or one repeat short of
+    it, moved by the work guard), round_robin does not."""
     argv = kvroute_argv(
         "demo",
         "--json",
@@ -35,11 +36,18 @@ def test_demo_json_end_to_end(tmp_path: Path) -> None:
     # Bound: 4 groups x 2 repeats of a 512-token prefix, in whole 16-token blocks.
     bound = doc["upper_bound"]
     assert bound == pytest.approx(4 * 2 * 512 / (12 * 528))
-    assert ca["hit_rate"] >= 0.9 * bound and ca["hit_rate"] > rr["hit_rate"] + 0.1
-    # The router's own counters: every cache_aware decision was counted by reason.
+    # The router's own counters: every cache_aware decision was counted by reason. Each
+    # group's 2nd and 3rd request found its group's worker: served there, or moved off
+    # it by the work guard (``overflow``) when that worker, busy with another group's
+    # first prefill, was priced slower than a cold prefill on the idle one. How the
+    # two compare depends on timing, which a busy machine tips (about one run in ten
+    # beside two busy loops moved one request; none moved two).
     routing = ca["extra"]["routing"]
-    assert sum(v for k, v in routing.items() if k.startswith("cache_")) == 12
-    assert routing["cache_hit/approximate"] >= 8  # the 2nd and 3rd of each group
+    hits, moved = routing["cache_hit/approximate"], routing.get("overflow/approximate", 0)
+    assert routing["cache_miss/approximate"] == 4 and hits + moved == 8 and moved <= 1
+    # Every request served as a hit found its group's 512 tokens cached there.
+    assert ca["hit_rate"] == pytest.approx(hits * 512 / (12 * 528))
+    assert ca["hit_rate"] >= 0.85 * bound and ca["hit_rate"] > rr["hit_rate"] + 0.1
 
 
 def write_trace(path: Path, prompts: list[np.ndarray]) -> None:
