@@ -403,3 +403,51 @@ def test_a_refused_or_departed_prompt_is_not_recorded_again(policy: str) -> None
     pol.clear()  # type: ignore[attr-defined]
     pol.on_done(d)  # type: ignore[attr-defined]
     assert pol.index.match(second) == {}  # type: ignore[attr-defined]
+
+
+def test_cache_aware_work_guard_leaves_a_hit_on_a_holder_with_nothing_queued() -> None:
+    """The holder is slow (5,000 tokens/s learned) and idle, the others fast (20,000) and
+    idle: the hit's 1,600 uncached tokens there take longer than the whole 4,000-token
+    prompt cold on a fast worker. The request stays: with nothing queued on the holder
+    there is no queue to spare it, and a move takes the prefix's later requests along
+    to a worker that has streams of its own while the holder idles. Once a prefill is
+    queued ahead of it on the holder, the guard compares costs and moves it."""
+    pol, model = _learned_speeds()
+    prompt = tokens(30, 4000)
+    pol.index.insert("a", prompt[:2400])  # type: ignore[attr-defined]
+    loads = dict.fromkeys(WORKERS, 0)
+    pred = model.predict(WORKERS, len(prompt), {"a": 2400})
+    assert pred.ttft["a"] > 1.3 * pred.ttft["b"]  # the fast worker answers sooner cold
+    d = pol.select(RouteRequest(prompt), loads)  # type: ignore[attr-defined]
+    assert (d.worker, d.reason, d.matched_tokens) == ("a", "cache_hit", 2400)
+    model.reserve("a", 3000, 10, now=0.0)  # a prefill queued on the holder
+    d = pol.select(RouteRequest(prompt), {"a": 1, "b": 0, "c": 0})  # type: ignore[attr-defined]
+    assert d.worker in ("b", "c") and d.reason == "overflow"
+
+
+def test_cache_aware_work_guard_still_moves_a_hit_off_a_busier_holder() -> None:
+    """Nothing queued on the holder either, but three of its four decode slots are taken
+    and the other workers run nothing: the occupancy the price stretches for (the
+    prefix's later requests would queue for those slots) is the holder's, so the guard
+    compares costs as before and moves the request."""
+    pol, model = _learned_speeds(worker_capacity=4)
+    prompt = tokens(31, 4000)
+    pol.index.insert("a", prompt[:2400])  # type: ignore[attr-defined]
+    for _ in range(3):
+        model.reserve("a", 10, 400, now=0.0).first_byte(0.0, learn=False)  # decoding
+    pred = model.predict(WORKERS, len(prompt), {"a": 2400})
+    assert pred.slot["a"] == 0 and pred.stretch["a"] > pred.stretch["b"] == 1.0
+    d = pol.select(RouteRequest(prompt), {"a": 3, "b": 0, "c": 0})  # type: ignore[attr-defined]
+    assert d.worker in ("b", "c") and d.reason == "overflow"
+
+
+def _learned_speeds(**kw: object) -> tuple[object, LoadModel]:
+    """cache_aware on work, worker a learned at 5,000 prompt tokens/s, b and c at 20,000."""
+    pol, model = setup("cache_aware", **kw)
+    for w, tps in (("a", 5000.0), ("b", 20_000.0), ("c", 20_000.0)):
+        for i in range(12):
+            n = 500 + 400 * i
+            t = model.reserve(w, n, 1, now=0.0)
+            t.first_byte(n / tps)
+            t.end(n / tps)
+    return pol, model
