@@ -62,13 +62,7 @@ def test_min_ttft_ties_go_to_a_long_match_then_fewer_requests() -> None:
 
 
 def test_min_ttft_prefers_the_faster_worker_it_learned() -> None:
-    pol, model = setup("min_ttft")
-    for w, tps in (("a", 5000.0), ("b", 20_000.0), ("c", 10_000.0)):
-        for i in range(12):
-            n = 500 + 400 * i
-            t = model.reserve(w, n, 1, now=0.0)
-            t.first_byte(n / tps)
-            t.end(n / tps)
+    pol, _model = _learned_speeds("min_ttft", {"a": 5000.0, "b": 20_000.0, "c": 10_000.0})
     got = Counter(
         pol.select(RouteRequest(tokens(10 + i, 2000)), dict.fromkeys(WORKERS, 0)).worker  # type: ignore[attr-defined]
         for i in range(5)
@@ -412,7 +406,7 @@ def test_cache_aware_work_guard_leaves_a_hit_on_a_holder_with_nothing_queued() -
     there is no queue to spare it, and a move takes the prefix's later requests along
     to a worker that has streams of its own while the holder idles. Once a prefill is
     queued ahead of it on the holder, the guard compares costs and moves it."""
-    pol, model = _learned_speeds()
+    pol, model = _learned_speeds("cache_aware", {"a": 5000.0, "b": 20_000.0, "c": 20_000.0})
     prompt = tokens(30, 4000)
     pol.index.insert("a", prompt[:2400])  # type: ignore[attr-defined]
     loads = dict.fromkeys(WORKERS, 0)
@@ -430,7 +424,9 @@ def test_cache_aware_work_guard_still_moves_a_hit_off_a_busier_holder() -> None:
     and the other workers run nothing: the occupancy the price stretches for (the
     prefix's later requests would queue for those slots) is the holder's, so the guard
     compares costs as before and moves the request."""
-    pol, model = _learned_speeds(worker_capacity=4)
+    pol, model = _learned_speeds(
+        "cache_aware", {"a": 5000.0, "b": 20_000.0, "c": 20_000.0}, worker_capacity=4
+    )
     prompt = tokens(31, 4000)
     pol.index.insert("a", prompt[:2400])  # type: ignore[attr-defined]
     for _ in range(3):
@@ -441,10 +437,11 @@ def test_cache_aware_work_guard_still_moves_a_hit_off_a_busier_holder() -> None:
     assert d.worker in ("b", "c") and d.reason == "overflow"
 
 
-def _learned_speeds(**kw: object) -> tuple[object, LoadModel]:
-    """cache_aware on work, worker a learned at 5,000 prompt tokens/s, b and c at 20,000."""
-    pol, model = setup("cache_aware", **kw)
-    for w, tps in (("a", 5000.0), ("b", 20_000.0), ("c", 20_000.0)):
+def _learned_speeds(name: str, speeds: dict[str, float], **kw: object) -> tuple[object, LoadModel]:
+    """Policy ``name`` on work, each worker's prefill rate learned from 12 requests
+    answered at ``speeds`` (prompt tokens per second)."""
+    pol, model = setup(name, **kw)
+    for w, tps in speeds.items():
         for i in range(12):
             n = 500 + 400 * i
             t = model.reserve(w, n, 1, now=0.0)
