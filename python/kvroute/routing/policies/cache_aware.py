@@ -331,7 +331,6 @@ class CacheAware(KeepsPromptsInFlight, Policy):
         the ``behind`` requests queued after it), or None (always, on counts)."""
         if pred is None:
             return None
-        idle = pred.ttft[holder] - pred.own[holder] <= IDLE_TOLERANCE * pred.own[holder]
         if pred.slot[holder] > 0.0:
             # The holder is full: its wait for a slot is in its prediction, and its
             # stretch (the capacity itself) is no time the request waits. Stretched,
@@ -343,7 +342,11 @@ class CacheAware(KeepsPromptsInFlight, Policy):
         alt = self._ties.least_by(cost, loads)
         if cost[holder] - cost[alt] <= tie_window(cost[alt]):
             return None
-        if idle and pred.stretch[alt] >= pred.stretch[holder]:
+        own = pred.own[holder]
+        if (
+            pred.stretch[alt] >= pred.stretch[holder]
+            and pred.ttft[holder] - own <= IDLE_TOLERANCE * own
+        ):
             # Nothing queued ahead of it on the holder and no wait for a slot: it starts
             # at once there, and the other worker is no less occupied. Only its own
             # prefill would be sooner there (a faster worker, cold): moved for that, the
