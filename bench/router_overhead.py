@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import multiprocessing as mp
 import os
 import random
@@ -109,14 +110,22 @@ SYSTEM_PROMPTS = [
 ]
 
 
-def request_body(round_id: int, i: int, stream: bool = False) -> bytes:
-    """The body of request ``i`` of round ``round_id`` (deterministic, unique per pair)."""
+def request_body(
+    round_id: int, i: int, stream: bool = False, user_words: tuple[int, int] | None = None
+) -> bytes:
+    """The body of request ``i`` of round ``round_id`` (deterministic, unique per pair).
+    ``user_words`` (lo, hi): the user message's length in words drawn log-uniformly from
+    that range, else ``USER_WORDS``."""
     import orjson
 
     rng = random.Random(round_id * 1_000_003 + i)
+    words = USER_WORDS
+    if user_words is not None:
+        lo, hi = user_words
+        words = round(math.exp(rng.uniform(math.log(lo), math.log(hi))))
     messages = [
         {"role": "system", "content": SYSTEM_PROMPTS[i % GROUPS]},
-        {"role": "user", "content": f"[r{round_id} q{i}] " + _words(USER_WORDS, rng)},
+        {"role": "user", "content": f"[r{round_id} q{i}] " + _words(words, rng)},
     ]
     body: dict[str, Any] = {
         "model": "fake-model",
@@ -299,6 +308,7 @@ class Job:
     start_at: float  # time.time() to begin (all clients start together)
     duration_s: float = 0.0  # > 0: keep sending (cycling fresh ids) until this elapses
     stream: bool = False  # streaming requests (``--stream-chunks``)
+    user_words: tuple[int, int] | None = None  # ``--user-words``
 
 
 @dataclass
@@ -338,7 +348,7 @@ def client_main(conn: Connection) -> None:
         return have[:conc]
 
     async def run(job: Job) -> Result:
-        bodies = [request_body(job.round_id, i, job.stream) for i in job.indices]
+        bodies = [request_body(job.round_id, i, job.stream, job.user_words) for i in job.indices]
         conns = clients_for(job.url, job.concurrency)
         headers = {"content-type": "application/json"}
         res = Result()
@@ -358,7 +368,7 @@ def client_main(conn: Connection) -> None:
                     else:  # fresh ids past the prepared ones
                         extra += 1
                         body = request_body(
-                            job.round_id, job.indices[-1] + 7919 * extra, job.stream
+                            job.round_id, job.indices[-1] + 7919 * extra, job.stream, job.user_words
                         )
                 elif pos < len(bodies):
                     body = bodies[pos]
@@ -407,8 +417,11 @@ def client_main(conn: Connection) -> None:
 
 
 class LoadPool:
-    def __init__(self, n: int, stream: bool = False) -> None:
+    def __init__(
+        self, n: int, stream: bool = False, user_words: tuple[int, int] | None = None
+    ) -> None:
         self.stream = stream
+        self.user_words = user_words
         ctx = mp.get_context("spawn")
         self.conns: list[Connection] = []
         self.procs = []
@@ -428,7 +441,16 @@ class LoadPool:
         for j, c in enumerate(self.conns):
             share = conc // k + (1 if j < conc % k else 0)
             c.send(
-                Job(url, round_id, list(range(j, n, k)), share, start_at, duration_s, self.stream)
+                Job(
+                    url,
+                    round_id,
+                    list(range(j, n, k)),
+                    share,
+                    start_at,
+                    duration_s,
+                    self.stream,
+                    self.user_words,
+                )
             )
         parts: list[Result] = [c.recv() for c in self.conns]
         total = Result()
@@ -880,6 +902,15 @@ def main() -> int:
         default=1.0,
         help="with --stream-chunks: the worker's pause before each event",
     )
+    ap.add_argument(
+        "--user-words",
+        type=int,
+        nargs=2,
+        metavar=("LO", "HI"),
+        help="each user message's length in words drawn log-uniformly from LO to HI (a "
+        f"word is ~3 Qwen3 tokens), instead of {USER_WORDS}: prompts whose uncached parts "
+        "span many sizes, as real traffic's do (the work model learns per size class)",
+    )
     ap.add_argument("--log-dir", default="/tmp/router_overhead_logs")
     ap.add_argument("--serve-worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--serve-floor", type=int, default=None, help=argparse.SUPPRESS)
@@ -918,7 +949,8 @@ def main() -> int:
     t_start = time.monotonic()
     load0 = os.getloadavg()[0]
     streaming = args.stream_chunks > 0
-    pool = LoadPool(args.clients, streaming)
+    user_words = tuple(args.user_words) if args.user_words else None
+    pool = LoadPool(args.clients, streaming, user_words)  # type: ignore[arg-type]
     worker_args: tuple[str, ...] = ()
     if streaming:
         worker_args = ("--stream-chunks", str(args.stream_chunks))
@@ -958,6 +990,8 @@ def main() -> int:
                         raise RuntimeError(f"{name} died:\n{srv.log_tail()}")
         elapsed = time.monotonic() - t_start
         size = f"{prompt_tokens:.0f}-token" if tokenizer else "~2,000-token"
+        if user_words is not None:
+            size = f"system prompt + {user_words[0]}-{user_words[1]} words (log-uniform)"
         how = "non-streaming"
         if streaming:
             how = (

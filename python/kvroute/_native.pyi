@@ -291,6 +291,44 @@ class SegmentEncoder:
     def clear(self) -> None:
         """Empties the cache (the counters stay)."""
 
+@final
+class ResistantLine:
+    """``y = intercept + slope * x`` fitted robustly to (size, seconds) samples: the work
+    model's learned prefill line and decode step per worker (algorithm:
+    ``kvroute.routing.load.estimators``). Refitted at each sample; ``prior`` (intercept,
+    slope) holds until ``min_samples`` samples came. Not thread-safe (the work model's
+    state lives on the event loop)."""
+
+    def __new__(
+        cls, slope: float, intercept: float = 0.0, window: int = 16, min_samples: int = 3
+    ) -> ResistantLine:
+        """``window`` (samples kept per size class) and ``min_samples``: at least 1
+        (ValueError otherwise)."""
+
+    def observe(self, x: float, y: float) -> None:
+        """Add the sample (``x`` a size, ``y`` seconds) and refit; a sample that is not
+        positive and finite is ignored."""
+
+    @property
+    def slope(self) -> float: ...
+    @property
+    def intercept(self) -> float: ...
+    @property
+    def samples(self) -> int:
+        """Samples held (at most ``window`` per size class)."""
+
+    @property
+    def prior(self) -> tuple[float, float]:
+        """(intercept, slope) before any sample."""
+
+    @property
+    def window(self) -> int: ...
+    @property
+    def min_samples(self) -> int: ...
+    def class_counts(self) -> list[tuple[int, int]]:
+        """(size class, samples held) per class, by class: the class of ``x`` is the bit
+        length of its integer part."""
+
 def bpe_char_classes(text: str) -> bytes:
     """One byte of flags per character of ``text`` as ``BpeEncoder`` classifies it: 1
     letter (``\\p{L}``), 2 number (``\\p{N}``), 4 whitespace (``\\s``), 8 mark, 16
@@ -300,6 +338,7 @@ __all__ = [
     "BlockIndex",
     "BpeEncoder",
     "PrefixIndex",
+    "ResistantLine",
     "SegmentEncoder",
     "TokenIds",
     "UnknownParentError",

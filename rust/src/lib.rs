@@ -6,11 +6,15 @@
 pub mod blocks;
 pub mod children;
 pub mod digests;
+// The work model's robust line fit (kvroute.routing.load), on the request path per answer.
+pub mod estimators;
 pub mod lru;
 pub mod tree;
 
 #[cfg(feature = "python")]
 mod python;
+#[cfg(feature = "python")]
+mod python_estimators;
 
 pub use blocks::{BlockIndex, EventError};
 pub use tree::{ByteIndex, IndexStats, Lookup, PrefixIndex, Symbol, Tree, Walk};

@@ -775,5 +775,6 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.py().get_type::<UnknownParentError>(),
     )?;
     crate::python_bpe::add(m)?;
+    crate::python_estimators::add(m)?;
     Ok(())
 }

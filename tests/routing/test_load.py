@@ -709,7 +709,7 @@ def test_predictions_per_decision_are_the_per_worker_calls_exactly(
         assert pred.price[w] == pred.ttft[w] * m.stretch(w)
         assert pred.cost(w, behind) == m.cost(w, tokens, held, behind)
     for s in m.workers.values():
-        assert s.prefill.samples == sum(len(b) for b in s.prefill._by_size.values())
+        assert s.prefill.samples == sum(n for _, n in s.prefill.class_counts())
 
 
 @settings(max_examples=300, deadline=None)
