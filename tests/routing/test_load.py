@@ -458,6 +458,24 @@ def synthetic_worker(m: LoadModel, worker: str, tps: float, overhead: float, n: 
         t += 5.0
 
 
+def test_a_whole_answer_teaches_no_decode_speed() -> None:
+    """A non-streamed answer's first byte comes with its last token: the time from it
+    to the end is the body's read, not a decode (it taught microseconds per token)."""
+    m = LoadModel()
+    prior = m.snapshot("w")["decode_ms_per_token"]
+    for i in range(5):
+        whole = m.reserve("w", 100, 200, now=float(i))
+        whole.first_byte(i + 4.0, learn=False)
+        whole.end(i + 4.001, output_tokens=200)
+    assert m.snapshot("w")["decode_ms_per_token"] == prior
+    assert m.workers["w"].decode_s.samples == 0
+    for i in range(5):
+        streamed = m.reserve("w", 100, 200, now=10.0 + i)
+        streamed.first_byte(10.1 + i)
+        streamed.end(10.1 + i + 199 * 0.03, output_tokens=200)
+    assert m.snapshot("w")["decode_ms_per_token"] == pytest.approx(30.0)
+
+
 def test_learned_prefill_speed_converges_on_a_synthetic_worker() -> None:
     m = LoadModel()
     synthetic_worker(m, "w", tps=4000.0, overhead=0.05, n=60)

@@ -266,11 +266,14 @@ class Ticket:
             st.observe_reuse(self.predicted_cached, reported, self.prompt_tokens, model.grain)
         if output_tokens is not None and output_tokens > 0:
             self._model.observe_output(output_tokens)
-            if self.first_at is not None and output_tokens > 1:
+            # Decode speed only from a streamed answer (``batch``: its first byte was
+            # its first token). A whole answer's "first byte" came with its last token:
+            # (end - first byte) is the time to read the body, which taught a decode of
+            # a few microseconds per token.
+            if self.batch and self.first_at is not None and output_tokens > 1:
                 per = (now - self.first_at) / (output_tokens - 1)
                 st.decode_s.observe(per)
-                if self.batch:
-                    st.decode.observe(self.batch, per)
+                st.decode.observe(self.batch, per)
 
 
 def _ends_at(first: float, rest: int, batch: int, fit: tuple[float, float]) -> float:
