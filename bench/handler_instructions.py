@@ -1,13 +1,14 @@
 """Instructions per request of kvroute's ASGI app alone (no uvicorn), against the floor's.
 
-Two instant workers (``router_overhead.py --serve-worker`` processes) answer; the app is
-driven in this process, one request at a time, with the scope, ``receive`` and ``send``
-uvicorn would give it, over ``router_overhead.py``'s 2,029-token chat bodies. Under
-valgrind's callgrind (``--instructions``) counting runs only around the measured loop,
-so the count is the handler's own work (Python, C extensions; user space), steady
-enough to tell a change of a few thousand instructions per request apart on a shared
-machine where CPU time moves by ±15% (tokenized: up to 7% from one process to the next,
-so ``--processes N`` counts N and reports the median). Without it, CPU time per request is printed.
+Two instant workers (``router_overhead.py --serve-worker`` processes; ``--workers N``)
+answer; the app is driven in this process, one request at a time, with the scope,
+``receive`` and ``send`` uvicorn would give it, over ``router_overhead.py``'s
+2,029-token chat bodies. Under valgrind's callgrind (``--instructions``) counting runs
+only around the measured loop, so the count is the handler's own work (Python, C
+extensions; user space), steady enough to tell a change of a few thousand instructions
+per request apart on a shared machine where CPU time moves by ±15% (tokenized: up to 7%
+from one process to the next, so ``--processes N`` counts N and reports the median).
+Without it, CPU time per request is printed.
 
 ``--interleave P1,P2,...`` (kvroute policies): CPU time of several apps built in
 this one process, run in alternating batches of ``--requests`` for ``--rounds`` rounds,
@@ -223,6 +224,14 @@ def main() -> int:
         help="user messages of LO to HI words, log-uniform (router_overhead.py's "
         "--user-words), every measured request new",
     )
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        metavar="N",
+        help="instant workers in the fleet (each a process of its own): what a decision "
+        "costs as the fleet grows",
+    )
     ap.add_argument("--interleave", help="kvroute policies, comma-separated: CPU of each")
     ap.add_argument("--rounds", type=int, default=10, help="with --interleave")
     ap.add_argument(
@@ -244,6 +253,7 @@ def main() -> int:
             argv += ["--stream-chunks", str(args.stream_chunks)]
         if args.user_words:
             argv += ["--user-words", *map(str, args.user_words)]
+        argv += ["--workers", str(args.workers)]
         argv += ["--requests", str(args.requests), "--instructions", "--counting"]
         runs = [_callgrind(argv, args.cache_sim) for _ in range(args.processes)]
         # The run of the median instruction count stands for the build.
@@ -257,6 +267,8 @@ def main() -> int:
             what += f", streaming {args.stream_chunks} events"
         if args.user_words:
             what += f", user messages of {args.user_words[0]}-{args.user_words[1]} words"
+        if args.workers != 2:
+            what += f", {args.workers} workers"
         each = ""
         if len(runs) > 1:
             counts = ", ".join(f"{t.get('Ir', 0) / args.requests:,.0f}" for t in runs)
@@ -275,7 +287,7 @@ def main() -> int:
     log_dir = tempfile.mkdtemp()
     workers = []
     try:
-        for _ in range(2):
+        for _ in range(args.workers):
             port = free_port()
             argv = [sys.executable, str(HERE / "router_overhead.py"), "--serve-worker", str(port)]
             if args.stream_chunks:

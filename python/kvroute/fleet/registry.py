@@ -198,17 +198,19 @@ class Registry:
         """In-flight count of every worker that can take a request for ``model`` now (this
         router's, plus other routers' when they share their load)."""
         now = time.monotonic()
-        peer = self.peer_load
-        if peer:
-            return {
-                u: w.in_flight + peer.get(u, 0)
-                for u, w in self.workers.items()
-                if u not in exclude and w.available(now) and w.serves(model)
-            }
+        peer = self.peer_load or {}
+        # ``available`` and ``serves``, inlined: this runs over every worker at every
+        # decision (a method call each cost a fleet of 64 about 10 µs per request).
         return {
-            u: w.in_flight
+            u: w.in_flight + peer.get(u, 0)
             for u, w in self.workers.items()
-            if u not in exclude and w.available(now) and w.serves(model)
+            if w.healthy is True
+            and not w.draining
+            and now >= w.circuit_open_until
+            and now >= w.cooldown_until
+            and not w.probing
+            and (model is None or w.models is None or model in w.models)
+            and u not in exclude
         }
 
     # ------------------------------------------------------------- models

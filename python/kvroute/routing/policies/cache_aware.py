@@ -331,14 +331,18 @@ class CacheAware(KeepsPromptsInFlight, Policy):
         the ``behind`` requests queued after it), or None (always, on counts)."""
         if pred is None:
             return None
+        # ``Predictions.cost`` and ``unstretched_cost``, inlined (every worker, every
+        # decision that reaches the guard).
+        ttft, own_ = pred.ttft, pred.own
         if pred.slot[holder] > 0.0:
             # The holder is full: its wait for a slot is in its prediction, and its
             # stretch (the capacity itself) is no time the request waits. Stretched,
             # a hit on a fast full worker lost to a cold prefill on a slow one with
             # slots free that answers seconds later (module doc).
-            cost = {w: pred.unstretched_cost(w, behind) for w in loads}
+            cost = {w: ttft[w] + behind * own_[w] for w in loads}
         else:
-            cost = {w: pred.cost(w, behind) for w in loads}
+            stretch = pred.stretch
+            cost = {w: (ttft[w] + behind * own_[w]) * stretch[w] for w in loads}
         alt = self._ties.least_by(cost, loads)
         if cost[holder] - cost[alt] <= tie_window(cost[alt]):
             return None
