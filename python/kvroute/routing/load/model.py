@@ -539,8 +539,8 @@ class LoadModel:
         if not st.pending:
             # Nothing of ours queued there (most workers of a large fleet, at most
             # decisions): only the other routers' or the engine's others can be ahead.
-            peers = self.peer_pending
-            theirs = peers.get(worker, 0) if peers is not None else self.peer.get(worker, 0)
+            shared = self.peer_pending
+            theirs = shared.get(worker, 0) if shared is not None else self.peer.get(worker, 0)
             e = st.engine
             if not theirs and (e is None or e.waiting <= e.own_pending + e.peer_pending):
                 return 0.0
