@@ -227,9 +227,7 @@ def main() -> int:
     )
     ap.add_argument(
         "--user-words",
-        type=int,
-        nargs=2,
-        metavar=("LO", "HI"),
+        **ro.USER_WORDS_ARG,
         help="user messages of LO to HI words, log-uniform (router_overhead.py's "
         "--user-words), every measured request new",
     )

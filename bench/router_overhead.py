@@ -110,6 +110,10 @@ SYSTEM_PROMPTS = [
 ]
 
 
+# ``--user-words LO HI`` (here and in handler_instructions.py): see ``request_body``.
+USER_WORDS_ARG: dict[str, Any] = {"type": int, "nargs": 2, "metavar": ("LO", "HI")}
+
+
 def request_body(
     round_id: int, i: int, stream: bool = False, user_words: tuple[int, int] | None = None
 ) -> bytes:
@@ -904,9 +908,7 @@ def main() -> int:
     )
     ap.add_argument(
         "--user-words",
-        type=int,
-        nargs=2,
-        metavar=("LO", "HI"),
+        **USER_WORDS_ARG,
         help="each user message's length in words drawn log-uniformly from LO to HI (a "
         f"word is ~3 Qwen3 tokens), instead of {USER_WORDS}: prompts whose uncached parts "
         "span many sizes, as real traffic's do (the work model learns per size class)",
