@@ -7,7 +7,11 @@ from __future__ import annotations
 import asyncio
 import time
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from kvroute.config import Settings
+from kvroute.fleet.models import ServedModel
 from kvroute.fleet.registry import Registry
 
 W = "http://w1:8000"
@@ -107,3 +111,56 @@ async def test_a_check_timing_out_with_a_request_waiting_marks_the_worker_hung()
             assert r.workers[W].healthy is False and "hung" in r.workers[W].down_reason
         else:
             assert r.workers[W].healthy is True, "one failed check of two"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    states=st.lists(
+        st.tuples(
+            st.sampled_from([True, False, None]),  # healthy
+            st.booleans(),  # draining
+            st.floats(-5, 5),  # circuit open until, from now
+            st.floats(-5, 5),  # cooldown until, from now
+            st.booleans(),  # probing
+            st.sampled_from([None, (), ("m",), ("m", "n")]),  # models served
+            st.integers(0, 9),  # in flight
+            st.integers(0, 3),  # other routers' load
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    model=st.sampled_from([None, "m", "n", "x"]),
+    excluded=st.sets(st.integers(0, 5)),
+)
+def test_the_rotation_is_the_workers_available_and_serving_the_model(
+    states: list[tuple[bool | None, bool, float, float, bool, tuple[str, ...] | None, int, int]],
+    model: str | None,
+    excluded: set[int],
+) -> None:
+    """``loads`` tests each worker's state in place (it runs over the whole fleet at
+    every decision): the same workers as ``available`` and ``serves`` allow."""
+    urls = [f"http://w{i}:8000" for i in range(len(states))]
+    r = Registry(Settings(worker_urls=urls).validate())
+    now = time.monotonic()
+    peer = {}
+    for url, (healthy, draining, circuit, cool, probing, models, n, theirs) in zip(
+        urls, states, strict=True
+    ):
+        r.add(url)
+        w = r.workers[url]
+        w.healthy, w.draining, w.probing, w.in_flight = healthy, draining, probing, n
+        w.circuit_open_until, w.cooldown_until = now + circuit, now + cool
+        w.models = None if models is None else {m: ServedModel(m) for m in models}
+        peer[url] = theirs
+    r.peer_load = peer
+    exclude = {urls[i] for i in excluded if i < len(urls)}
+    got = r.loads(exclude=exclude, model=model)
+    later = time.monotonic()  # ``loads`` read the clock in between
+    # A worker's availability only comes with time (every test is "now >= ..."): one
+    # in the rotation is available by ``later``, one left out was not yet at ``now``.
+    for url, w in r.workers.items():
+        if url in got:
+            assert w.available(later) and w.serves(model) and url not in exclude
+            assert got[url] == w.in_flight + peer[url]
+        else:
+            assert not (w.available(now) and w.serves(model)) or url in exclude

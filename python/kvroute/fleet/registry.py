@@ -90,6 +90,7 @@ class Worker:
         return model is None or self.models is None or model in self.models
 
     def available(self, now: float) -> bool:
+        # ``Registry.loads`` tests the same in place (and ``serves``'s test).
         return (
             self.healthy is True
             and not self.draining
@@ -199,8 +200,9 @@ class Registry:
         router's, plus other routers' when they share their load)."""
         now = time.monotonic()
         peer = self.peer_load or {}
-        # ``available`` and ``serves``, inlined: this runs over every worker at every
-        # decision (a method call each cost a fleet of 64 about 10 µs per request).
+        # ``available`` and ``serves``, inlined (keep the three in step): this runs over
+        # every worker at every decision, where two method calls per worker showed in
+        # profiles of a 64-worker fleet.
         return {
             u: w.in_flight + peer.get(u, 0)
             for u, w in self.workers.items()
