@@ -584,8 +584,9 @@ def start_targets(
     tokenizer: str | None,
     baseline_python: str | None = None,
     worker_args: tuple[str, ...] = (),
+    n_workers: int = 2,
 ) -> tuple[list[Any], dict[str, Any]]:
-    """Start the two workers, then every router, in parallel (each waits for /health)."""
+    """Start the workers, then every router, in parallel (each waits for /health)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from kvroute.eval.peers import SGLANG, VLLM, start_peer
@@ -627,7 +628,7 @@ def start_targets(
             raise RuntimeError("; ".join(map(str, errors)))
         return outcomes
 
-    workers = start_all([worker, worker])
+    workers = start_all([worker] * n_workers)
     urls = [w.url for w in workers]
     routed = [n for n in names if n != "direct"]
     try:
@@ -913,6 +914,14 @@ def main() -> int:
         f"word is ~3 Qwen3 tokens), instead of {USER_WORDS}: prompts whose uncached parts "
         "span many sizes, as real traffic's do (the work model learns per size class)",
     )
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        metavar="N",
+        help="instant workers behind each router (``direct`` goes to the first): what "
+        "routing costs as the fleet grows",
+    )
     ap.add_argument("--log-dir", default="/tmp/router_overhead_logs")
     ap.add_argument("--serve-worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--serve-floor", type=int, default=None, help=argparse.SUPPRESS)
@@ -958,7 +967,7 @@ def main() -> int:
         worker_args = ("--stream-chunks", str(args.stream_chunks))
         worker_args += ("--chunk-gap-ms", str(args.chunk_gap_ms))
     servers, targets = start_targets(
-        args.targets, args.log_dir, tokenizer, args.baseline_python, worker_args
+        args.targets, args.log_dir, tokenizer, args.baseline_python, worker_args, args.workers
     )
     log(f"started {len(servers)} servers")
     cells: dict[tuple[str, int], Cell] = defaultdict(Cell)
@@ -1001,7 +1010,7 @@ def main() -> int:
                 f"(+ usage, [DONE]; CPU per event: per request / {args.stream_chunks + 2})"
             )
         print(
-            f"\n## Router overhead: 2 instant workers, {size} chat prompts "
+            f"\n## Router overhead: {args.workers} instant workers, {size} chat prompts "
             f"({GROUPS} shared system prompts), {how}\n"
         )
         print(
