@@ -318,6 +318,10 @@ class ResistantLine:
         """Samples held (at most ``window`` per size class)."""
 
     @property
+    def learned(self) -> tuple[float, float] | None:
+        """(intercept, slope) once ``min_samples`` samples came, else None."""
+
+    @property
     def prior(self) -> tuple[float, float]:
         """(intercept, slope) before any sample."""
 

@@ -48,6 +48,17 @@ impl PyResistantLine {
         self.inner.samples()
     }
 
+    /// (intercept, slope) once `min_samples` samples came, else None: what the work
+    /// model reads for every worker at every decision, in one call.
+    #[getter]
+    fn learned(&self) -> Option<(f64, f64)> {
+        if self.inner.samples() >= self.inner.min_samples() {
+            Some((self.inner.intercept, self.inner.slope))
+        } else {
+            None
+        }
+    }
+
     #[getter]
     fn prior(&self) -> (f64, f64) {
         self.inner.prior()

@@ -97,6 +97,13 @@ def test_the_native_line_fits_as_the_python_algorithm_to_the_bit(
         assert native.intercept.hex() == ref.intercept.hex()
         assert native.slope.hex() == ref.slope.hex()
         assert native.samples == ref.samples
+        # What the work model reads: the fit once it has enough samples, else None.
+        learned = native.learned
+        if ref.samples >= min_samples:
+            assert learned is not None
+            assert (learned[0].hex(), learned[1].hex()) == (ref.intercept.hex(), ref.slope.hex())
+        else:
+            assert learned is None
     counts = {size: len(b) for size, b in ref.by_size.items() if b}
     assert dict(native.class_counts()) == counts
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from statistics import median
 from typing import Any
 
 import pytest
@@ -547,6 +548,20 @@ def test_a_worker_not_yet_measured_is_assumed_as_fast_as_the_fleet_not_the_prior
     assert alone.prefill_rate("new") == PRIOR_PREFILL_TPS
 
 
+def test_the_fleet_line_is_of_the_workers_present() -> None:
+    """A worker that left no longer counts in the line assumed for an unmeasured one,
+    even when the line was read (and kept) before it left."""
+    m = LoadModel()
+    synthetic_worker(m, "fast", tps=9000.0, overhead=0.005, n=12)
+    synthetic_worker(m, "slow", tps=1000.0, overhead=0.005, n=12)
+    m.add_worker("new")
+    both = m.prefill_rate("new")
+    assert 1000 * 1.03 < both < 9000 / 1.03
+    m.remove_worker("fast")
+    assert m.prefill_rate("new") == pytest.approx(1000, rel=0.03)
+    assert m.fleet_line == m.workers["slow"].prefill.learned
+
+
 def test_a_known_line_stands_for_a_worker_until_it_learns_its_own() -> None:
     """``know`` (the simulator's known speeds): the worker's line from outside is used
     in place of the fleet's, by ``predict`` as by ``ttft``, until the worker has samples
@@ -668,6 +683,7 @@ _op = st.one_of(
         st.integers(0, 12),
         st.one_of(st.none(), st.floats(0.0, 1.0)),
     ),
+    st.tuples(st.just("remove"), st.sampled_from(WORKERS)),
 )
 
 
@@ -695,7 +711,9 @@ def test_predictions_per_decision_are_the_per_worker_calls_exactly(
     """``LoadModel.predict`` (what cache_aware computes once per decision) gives, bit
     for bit, what ``ttft``, ``own_prefill`` and ``cost`` give worker by worker, over
     model states built from random reservations, first bytes, ends (learning speed,
-    output length and trust) and engine readings, and for a worker it never saw."""
+    output length and trust), engine readings and workers removed, and for a worker it
+    never saw; ``predict`` takes its shortcut for idle workers, the per-worker calls
+    never do."""
     m = LoadModel()
     m.fixed_capacity, m.capacities, m.others, m.peer = fixed, capacities, others, peer
     if shared:
@@ -716,9 +734,22 @@ def test_predictions_per_decision_are_the_per_worker_calls_exactly(
             t.end(now + op[2], output_tokens=op[3])
         elif op[0] == "engine":
             m.observe_engine(op[1], op[2], op[3], op[4])
+        elif op[0] == "remove":
+            m.remove_worker(op[1])
     workers = (*WORKERS, "new")
     pred = m.predict(workers, tokens, matches)
     behind = m.queued_per_worker(workers)
+    queued = [len(m.workers[w].pending) if w in m.workers else 0 for w in workers]
+    if shared:
+        theirs = m.peer_pending or {}
+        queued = [n + theirs.get(w, 0) for n, w in zip(queued, workers, strict=True)]
+    assert behind == sum(queued) / len(workers)
+    # The fleet line, computed when read: the median of the lines learned by the
+    # workers present (a removed worker's no longer counts).
+    lines = [s.prefill.learned for s in m.workers.values() if s.prefill.learned is not None]
+    assert m.fleet_line == (
+        (median(p[0] for p in lines), median(p[1] for p in lines)) if lines else None
+    )
     for w in workers:
         held = matches.get(w, 0)
         assert pred.ttft[w] == m.ttft(w, tokens - held, held)
