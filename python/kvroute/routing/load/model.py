@@ -899,8 +899,10 @@ class LoadModel:
         many), computed once per decision: the same numbers as calling ``ttft`` (with
         ``kv=0``: choices leave the wait for KV room out, module doc), ``own_prefill``,
         ``stretch`` and ``cost`` worker by worker."""
-        if not isinstance(workers, (Mapping, AbstractSet, Sequence)):
-            workers = list(workers)
+        if not isinstance(workers, (dict, list, tuple)) and not isinstance(
+            workers, (Mapping, AbstractSet, Sequence)
+        ):  # the common kinds first: the ABCs' check costs as much as the rest
+            workers = list(workers)  # read twice below
         ttft: dict[str, float] = {}
         own: dict[str, float] = {}
         price: dict[str, float] = {}
@@ -997,7 +999,9 @@ class LoadModel:
         (a proxy for how many requests will queue behind new work): ours, and the
         other routers' when the store shares them (with only ours, each of N replicas
         would see about 1/N of the queue and move requests off their cache too often)."""
-        if not isinstance(workers, (Mapping, AbstractSet)):
+        if not isinstance(workers, (dict, set, frozenset)) and not isinstance(
+            workers, (Mapping, AbstractSet)
+        ):
             workers = set(workers)
         n = len(workers)
         if not n:
