@@ -22,12 +22,17 @@ for that interpreter (an earlier build), so a change to the store is measured ag
 its baseline over the same seconds. ``--other-keys N`` first fills both databases with N
 keys of another application, as in a Redis the routers share with other data.
 ``--unix-socket`` adds a router with a store reached through Redis's Unix socket
-(``unix://``), as routers on Redis's own host can.
+(``unix://``), as routers on Redis's own host can. ``--peers``: each router with a store
+gets a peer of the same build on the same database, sent requests at the same rate (its
+own Poisson draw, its CPU not counted), so the measured router applies the peer's
+decisions and load changes (its ``XREAD`` woken by them) besides publishing its own:
+what a store costs a router among replicas.
 
 Usage:
     python bench/shared_state_http_cpu.py --rates 20,60 --requests 300 --rounds 6
     python bench/shared_state_http_cpu.py --baseline-python OLD_VENV/bin/python
     python bench/shared_state_http_cpu.py --rates 20,60 --unix-socket
+    python bench/shared_state_http_cpu.py --rates 20,60 --peers --baseline-python OLD/bin/python
 """
 
 from __future__ import annotations
@@ -119,6 +124,12 @@ def main() -> int:
         "--baseline-python",
         help="a third router with a store: the kvroute installed for this interpreter",
     )
+    ap.add_argument(
+        "--peers",
+        action="store_true",
+        help="each router with a store gets a peer of its build on its database, sent the "
+        "same rate of requests: applying the peer's entries is then counted too",
+    )
     args = ap.parse_args()
     log_dir = Path(tempfile.mkdtemp(prefix="kvroute-store-cpu-"))
     servers = []
@@ -146,18 +157,24 @@ def main() -> int:
         if args.unix_socket:  # the last database: apart from the others
             unix = redis.unix_url[:-1] + "2"
             setups.append(("Redis on its Unix socket", ["--state-store", unix]))
+        peers = []  # sent requests, not measured
         for name, extra in setups:
-            port = free_port()
-            argv = kvroute_argv("serve", "--worker-urls", *urls, "--port", str(port))
-            argv += ["--policy", "cache_aware", "--log-level", "warning", *extra]
-            if name.startswith("baseline"):
-                argv[0] = args.baseline_python
-            srv = start_server(f"router-{port}", argv, port, log_dir=str(log_dir))
-            servers.append(srv)
-            routers[name] = srv
+            for is_peer in (False, True) if extra and args.peers else (False,):
+                port = free_port()
+                argv = kvroute_argv("serve", "--worker-urls", *urls, "--port", str(port))
+                argv += ["--policy", "cache_aware", "--log-level", "warning", *extra]
+                if name.startswith("baseline"):
+                    argv[0] = args.baseline_python
+                srv = start_server(f"router-{port}", argv, port, log_dir=str(log_dir))
+                servers.append(srv)
+                if is_peer:
+                    peers.append(srv)
+                else:
+                    routers[name] = srv
         names = list(routers)
+        sent = [routers[n] for n in names] + peers  # every router requests go to
         warm = [ro.request_body(0, i, stream=True) for i in range(64)]
-        for srv in routers.values():
+        for srv in [*routers.values(), *peers]:
             asyncio.run(burst(srv.url + "/v1/chat/completions", warm, 50.0, 0))
         idle0 = {n: cpu_ns(srv.proc.pid) for n, srv in routers.items()}
         t0 = time.monotonic()
@@ -172,7 +189,8 @@ def main() -> int:
         print(
             f"{args.requests} streamed requests per router, rate and round; {args.rounds} "
             f"rounds; {args.stream_chunks} events {args.chunk_gap_ms:g} ms apart; "
-            f"load average before {os.getloadavg()[0]:.1f}\n"
+            + ("each router with a store beside a peer sent as many; " if peers else "")
+            + f"load average before {os.getloadavg()[0]:.1f}\n"
         )
         stored = names[1:]  # the routers with a store, each against the one alone
         print(
@@ -201,12 +219,12 @@ def main() -> int:
                         await asyncio.gather(
                             *(
                                 burst(
-                                    routers[n].url + "/v1/chat/completions",
+                                    srv.url + "/v1/chat/completions",
                                     bodies,
                                     rate,
-                                    rnd * len(names) + k,
+                                    rnd * len(sent) + k,
                                 )
-                                for k, n in enumerate(names)
+                                for k, srv in enumerate(sent)
                             )
                         )
                     )

@@ -13,6 +13,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from kvroute.eval.procs import kvroute_argv
+from kvroute.fleet.shared.direct import Direct
 from kvroute.fleet.shared.heartbeat import Heartbeat
 from support import NEEDS_REDIS, RedisServer, cluster_flags
 
@@ -36,7 +37,8 @@ def test_a_usable_store_passes_and_lists_its_routers(tmp_path: Path) -> None:
 
         async def stamp() -> None:  # one live router in that database
             client = aioredis.from_url(server.url)
-            await Heartbeat("r1", b'{"id": "r1"}', 60_000).beat(client, {})
+            async with await Direct.open(client, 2.0) as conn:
+                await Heartbeat("r1", b'{"id": "r1"}', 60_000).beat(conn, {})
             await client.aclose()
 
         asyncio.run(stamp())

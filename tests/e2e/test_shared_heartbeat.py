@@ -14,6 +14,7 @@ import redis
 import redis.asyncio as aioredis
 
 from kvroute.fleet.shared import wire
+from kvroute.fleet.shared.direct import Direct
 from kvroute.fleet.shared.heartbeat import Heartbeat
 from support import NEEDS_REDIS, RedisServer
 
@@ -38,17 +39,23 @@ def beat_of(rid: str) -> Heartbeat:
     return Heartbeat(rid, info, 2000)
 
 
-def test_routers_find_each_other_without_scanning_the_database(redis_server: RedisServer) -> None:
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_routers_find_each_other_without_scanning_the_database(
+    redis_server: RedisServer, protocol: int
+) -> None:
+    """Over RESP2 and RESP3 alike (``?protocol=3`` in the store's URL): the beat's
+    replies are parsed by the store itself (``direct``), in either shape."""
     sync = redis_server.client()
     sync.mset({f"app:{i}": b"x" for i in range(5000)})  # a Redis shared with other data
 
     async def run() -> None:
-        client = aioredis.from_url(redis_server.url)
+        client = aioredis.from_url(redis_server.url, protocol=protocol)
+        conn = await Direct.open(client, 2.0)
         a, b, c = beat_of("a"), beat_of("b"), beat_of("c")
         try:
-            await b.beat(client, {W: 2})
-            await c.beat(client, {W: 5})
-            routers, load = await a.beat(client, {W: 1})
+            await b.beat(conn, {W: 2})
+            await c.beat(conn, {W: 5})
+            routers, load = await a.beat(conn, {W: 1})
             assert sorted(routers) == ["a", "b", "c"]
             assert routers["b"]["url"] == "http://router-b"
             assert load == {"b": {W: 2}, "c": {W: 5}}
@@ -56,8 +63,8 @@ def test_routers_find_each_other_without_scanning_the_database(redis_server: Red
             # Nobody joins: every beat is one transaction, and nothing scans.
             execs, hgetalls = calls(sync, "exec"), calls(sync, "hgetall")
             for n in range(5):
-                await b.beat(client, {W: n})
-                routers, load = await a.beat(client, {W: 1})
+                await b.beat(conn, {W: n})
+                routers, load = await a.beat(conn, {W: 1})
             assert load["b"] == {W: 4}
             assert calls(sync, "exec") - execs == 10
             assert calls(sync, "hgetall") - hgetalls == 10 * 2  # the two others, each beat
@@ -65,17 +72,18 @@ def test_routers_find_each_other_without_scanning_the_database(redis_server: Red
 
             # One stops (its hash goes, as StateStore.stop deletes it): no longer live.
             await client.delete(wire.ROUTER + "c")
-            routers, load = await a.beat(client, {})
+            routers, load = await a.beat(conn, {})
             assert sorted(routers) == ["a", "b"] and "c" not in load
             hgetalls = calls(sync, "hgetall")
-            await a.beat(client, {})
+            await a.beat(conn, {})
             assert calls(sync, "hgetall") - hgetalls == 1  # the dead one is not read again
 
             # It comes back (a partition healed): its new stamp gets it read again.
-            await c.beat(client, {W: 7})
-            routers, load = await a.beat(client, {})
+            await c.beat(conn, {W: 7})
+            routers, load = await a.beat(conn, {})
             assert sorted(routers) == ["a", "b", "c"] and load["c"] == {W: 7}
         finally:
+            await conn.close()
             await client.aclose()
 
     asyncio.run(run())
@@ -86,19 +94,21 @@ def test_a_router_whose_clock_is_hours_off_is_still_found(
 ) -> None:
     async def run() -> None:
         client = aioredis.from_url(redis_server.url)
+        conn = await Direct.open(client, 2.0)
         a, b = beat_of("a"), beat_of("b")
         real = wire.now_ms
         try:
             monkeypatch.setattr(wire, "now_ms", lambda: real() - 3 * 3_600_000)
-            await b.beat(client, {W: 3})  # stamps three hours in the past
+            await b.beat(conn, {W: 3})  # stamps three hours in the past
             monkeypatch.setattr(wire, "now_ms", real)
             for _ in range(3):  # a trims b's stamp as over an hour old every time
                 monkeypatch.setattr(wire, "now_ms", lambda: real() - 3 * 3_600_000)
-                await b.beat(client, {W: 3})
+                await b.beat(conn, {W: 3})
                 monkeypatch.setattr(wire, "now_ms", real)
-                routers, load = await a.beat(client, {})
+                routers, load = await a.beat(conn, {})
                 assert sorted(routers) == ["a", "b"] and load == {"b": {W: 3}}
         finally:
+            await conn.close()
             await client.aclose()
 
     asyncio.run(run())
@@ -115,16 +125,18 @@ def test_a_router_followed_by_its_stream_is_read_though_not_listed(
 
     async def run() -> None:
         client = aioredis.from_url(redis_server.url)
+        conn = await Direct.open(client, 2.0)
         a = beat_of("a")
         try:
-            routers, load = await a.beat(client, {}, also=["old"])
+            routers, load = await a.beat(conn, {}, also=["old"])
             assert sorted(routers) == ["a", "old"] and load == {"old": {W: 4}}
-            routers, load = await a.beat(client, {})  # live at the last beat: read again
+            routers, load = await a.beat(conn, {})  # live at the last beat: read again
             assert load == {"old": {W: 4}}
             sync.delete(wire.ROUTER + "old")
-            routers, load = await a.beat(client, {})
+            routers, load = await a.beat(conn, {})
             assert sorted(routers) == ["a"] and load == {}
         finally:
+            await conn.close()
             await client.aclose()
 
     asyncio.run(run())

@@ -29,9 +29,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import orjson
-import redis.asyncio as aioredis
 
 import kvroute.fleet.shared.wire as wire
+from kvroute.fleet.shared.direct import Arg, Direct
 from kvroute.fleet.shared.streams import STREAM_TTL_MS
 
 _SCALE = wire.SCALE_FIELD.encode()
@@ -57,7 +57,7 @@ class Heartbeat:
 
     async def beat(
         self,
-        client: aioredis.Redis,
+        conn: Direct,
         mine: Mapping[str, int],
         also: Iterable[str] = (),
         scale: float | None = None,
@@ -67,27 +67,32 @@ class Heartbeat:
         routers by id, this one included, each with its ``bytes_per_token`` when it
         published one; each other router's in-flight requests per worker, by id).
         ``also``: ids to read whether listed or not (routers this one follows, e.g.
-        found by their streams)."""
+        found by their streams). ``conn``: the store's own connection for it (``direct``:
+        a beat's replies are parsed in C, not through redis-py's layers)."""
         now = wire.now_ms()
-        fields: dict[Any, Any] = {"info": self.info}  # redis-py types its keys invariantly
+        fields: list[Arg] = ["info", self.info]
         if scale is not None:
-            fields[wire.SCALE_FIELD] = repr(scale)
+            fields += [wire.SCALE_FIELD, repr(scale)]
         for url, n in mine.items():
-            fields[wire.LOAD_FIELD + url] = n
+            fields += [wire.LOAD_FIELD + url, n]
         read = sorted(self._live.union(also) - {self.id})
-        pipe = client.pipeline(transaction=True)
-        pipe.delete(self._key)
-        pipe.hset(self._key, mapping=fields)
-        pipe.pexpire(self._key, self.ttl_ms)
-        pipe.pexpire(self._stream, STREAM_TTL_MS)
-        pipe.zadd(wire.ROUTERS, {self.id: now})
-        pipe.zrange(wire.ROUTERS, 0, -1, withscores=True)  # before the trim: see below
-        pipe.zremrangebyscore(wire.ROUTERS, "-inf", now - STREAM_TTL_MS)
-        for rid in read:
-            pipe.hgetall(wire.ROUTER + rid)
-        got = await pipe.execute()
-        stamps: dict[bytes, float] = dict(got[5])
-        rows: dict[str, dict[bytes, bytes]] = dict(zip(read, got[7:], strict=True))
+        key = self._key
+        got = await conn.transaction(
+            [
+                ("DEL", key),
+                ("HSET", key, *fields),
+                ("PEXPIRE", key, self.ttl_ms),
+                ("PEXPIRE", self._stream, STREAM_TTL_MS),
+                ("ZADD", wire.ROUTERS, now, self.id),
+                ("ZRANGE", wire.ROUTERS, 0, -1, "WITHSCORES"),  # before the trim: see below
+                ("ZREMRANGEBYSCORE", wire.ROUTERS, "-inf", now - STREAM_TTL_MS),
+                *(("HGETALL", wire.ROUTER + rid) for rid in read),
+            ]
+        )
+        stamps = _scored(got[5])
+        rows: dict[str, dict[bytes, bytes]] = {
+            rid: _hash(row) for rid, row in zip(read, got[7:], strict=True)
+        }
         changed = [
             rid
             for raw, stamp in stamps.items()
@@ -97,10 +102,8 @@ class Heartbeat:
         ]
         self._stamps = stamps
         if changed:  # a router started or came back: one more round trip, this once
-            pipe = client.pipeline(transaction=False)
-            for rid in changed:
-                pipe.hgetall(wire.ROUTER + rid)
-            rows.update(zip(changed, await pipe.execute(), strict=True))
+            more = await conn.call([("HGETALL", wire.ROUTER + rid) for rid in changed])
+            rows.update((rid, _hash(row)) for rid, row in zip(changed, more, strict=True))
         routers: dict[str, dict[str, Any]] = {self.id: self._mine}
         if scale is not None:
             routers[self.id] = self._mine | {"bytes_per_token": scale}
@@ -119,6 +122,21 @@ class Heartbeat:
                     theirs[f[2:].decode()] = int(v)
         self._live = set(load)
         return routers, load
+
+
+def _hash(reply: Any) -> dict[bytes, bytes]:
+    """An ``HGETALL`` reply: a map (RESP3) or a flat list of fields and values (RESP2)."""
+    if isinstance(reply, dict):
+        return reply
+    return dict(zip(reply[::2], reply[1::2], strict=True))
+
+
+def _scored(reply: Any) -> dict[bytes, float]:
+    """A ``ZRANGE ... WITHSCORES`` reply: [member, score] pairs (RESP3) or a flat list of
+    members and scores (RESP2), scores as floats either way."""
+    if reply and isinstance(reply[0], list):
+        return {m: float(s) for m, s in reply}
+    return {m: float(s) for m, s in zip(reply[::2], reply[1::2], strict=True)}
 
 
 def _float(raw: bytes | None) -> float | None:

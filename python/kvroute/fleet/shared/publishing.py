@@ -109,7 +109,9 @@ class Publisher:
             self._wake.clear()
             await self.members.flush(client, self._rid, self.stream_len)
             if (task := asyncio.current_task()) is not None and task.cancelling():
-                raise asyncio.CancelledError  # swallowed by redis-py: ``store.cancelled_meanwhile``
+                # redis-py can swallow a cancellation that lands while it reads a reply
+                # (seen with a blocked XREAD, redis-py 8.1): the loop would never end.
+                raise asyncio.CancelledError
             await writer.drain()  # Redis slow to read: wait here, the buffer stays bounded
             self._write(writer)
             if not self.members.pending and writer.transport.get_write_buffer_size() == 0:

@@ -44,6 +44,7 @@ from kvroute.fleet.budget import IndexBudget
 from kvroute.fleet.registry import Registry
 from kvroute.fleet.shared.applying import Applier, StoreCounters
 from kvroute.fleet.shared.digests import DigestIndex
+from kvroute.fleet.shared.direct import Direct
 from kvroute.fleet.shared.heartbeat import Heartbeat, oldest_scale
 from kvroute.fleet.shared.loads import SharedLoad
 from kvroute.fleet.shared.members import Membership
@@ -212,7 +213,7 @@ class StateStore(Publisher, Applier):
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # Redis down/slow/refusing: keep routing locally
-                if self._stopping:  # a cancellation redis-py swallowed (cancelled_meanwhile)
+                if self._stopping:  # a cancellation redis-py swallowed (``_publish_loop``)
                     raise asyncio.CancelledError from e
                 self.counters.errors += 1
                 if self.connected:
@@ -243,7 +244,11 @@ class StateStore(Publisher, Applier):
         await self._check_server(client)
         await self._catch_up(client)
         pub = await unanswered(client)
+        beats = reads = None
         try:
+            beats = await Direct.open(client, REPLY_S)
+            assert self._reader is not None
+            reads = await Direct.open(self._reader, READ_BLOCK_MS / 1000 + REPLY_S)
             # The others follow this router's stream from now (``streams``).
             await client.xadd(
                 wire.STREAM,
@@ -260,14 +265,16 @@ class StateStore(Publisher, Applier):
             assert self._writer is not None
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._publish_loop(client, self._writer))
-                assert self._reader is not None
-                tg.create_task(self._read_loop(self._reader))
-                tg.create_task(self._heartbeat_loop(client))
+                tg.create_task(self._read_loop(reads))
+                tg.create_task(self._heartbeat_loop(beats))
                 tg.create_task(self._watch(pub))
         finally:
             self._writer = None
             with contextlib.suppress(Exception):
                 await pub.disconnect()
+            for conn in (beats, reads):
+                if conn is not None:
+                    await conn.close()
 
     async def _check_server(self, client: aioredis.Redis) -> None:
         """Refuse a server the store cannot work with (``server.unsupported``: a Redis
@@ -297,33 +304,44 @@ class StateStore(Publisher, Applier):
 
     # ------------------------------------------------------------- loops
 
-    async def _read_loop(self, client: aioredis.Redis) -> None:
+    async def _read_loop(self, conn: Direct) -> None:
         streams = self.streams
         while True:
             asked = streams.read_args()
-            got: Any = await client.xread(asked, count=READ_COUNT, block=READ_BLOCK_MS)  # type: ignore[arg-type]
-            cancelled_meanwhile()
+            (got,) = await conn.call(
+                [
+                    (
+                        "XREAD",
+                        "COUNT",
+                        READ_COUNT,
+                        "BLOCK",
+                        READ_BLOCK_MS,
+                        "STREAMS",
+                        *asked.keys(),
+                        *asked.values(),
+                    )
+                ]
+            )
             full = set()
-            for key, entries in got or ():
+            for key, entries in stream_entries(got):
                 if len(entries) >= READ_COUNT:
                     full.add(key)
                 for entry_id, fields in entries:
                     streams.last[key] = entry_id
-                    self._apply(fields)
+                    self._apply(_fields(fields))
             live = {wire.stream_of(rid.encode()) for rid in self.routers}
             streams.done_reading(asked, full, live)
 
-    async def _heartbeat_loop(self, client: aioredis.Redis) -> None:
+    async def _heartbeat_loop(self, conn: Direct) -> None:
         while True:
-            await self._beat(client)
-            cancelled_meanwhile()
+            await self._beat(conn)
             await asyncio.sleep(self.heartbeat_s)
 
-    async def _beat(self, client: aioredis.Redis) -> None:
+    async def _beat(self, conn: Direct) -> None:
         mine = {url: w.in_flight for url, w in self.registry.workers.items() if w.in_flight > 0}
         budget = self.budget
         learned = None if budget is None else budget.learned
-        routers, load = await self._beats.beat(client, mine, self.streams.routers(), learned)
+        routers, load = await self._beats.beat(conn, mine, self.streams.routers(), learned)
         self.routers = routers
         if budget is not None and (agreed := oldest_scale(routers)) is not None:
             rid, scale = agreed
@@ -344,19 +362,27 @@ class StateStore(Publisher, Applier):
                 self.peer_load[url] = self.peer_load.get(url, 0) + n
 
 
+def stream_entries(reply: Any) -> list[tuple[bytes, list[Any]]]:
+    """An ``XREAD`` reply as (stream key, entries): nil (nothing new before the block
+    ended), a map of keys to entries (RESP3) or a list of [key, entries] (RESP2)."""
+    if reply is None:
+        return []
+    if isinstance(reply, dict):
+        return list(reply.items())
+    return [(key, entries) for key, entries in reply]
+
+
+def _fields(raw: Any) -> dict[bytes, bytes]:
+    """An entry's fields: a flat list of names and values (a map, should a server send one)."""
+    if isinstance(raw, dict):
+        return raw
+    if not isinstance(raw, list):
+        return {}
+    return dict(zip(raw[::2], raw[1::2], strict=False))
+
+
 class UnsupportedStore(Exception):
     """The server is not one the store can work with (``StateStore._check_server``)."""
-
-
-def cancelled_meanwhile() -> None:
-    """Raise CancelledError if this task was cancelled while a redis-py command ran.
-    redis-py can swallow a cancellation that lands while it reads a reply (seen with a
-    blocked ``XREAD``, redis-py 8.1): a loop going on would never end, and neither would
-    a session whose other task failed, nor ``stop``. (Only in the session's tasks: the
-    task running a ``TaskGroup`` is cancelled by it when a child fails.)"""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
 
 
 def _describe(e: BaseException) -> str:
