@@ -14,8 +14,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from kvroute.fleet.shared.direct import Direct
-from kvroute.fleet.shared.store import stream_entries
+from kvroute.fleet.shared.direct import Direct, stream_entries
 from support import NEEDS_REDIS, RedisServer
 
 pytestmark = NEEDS_REDIS

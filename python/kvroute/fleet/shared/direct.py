@@ -42,6 +42,26 @@ _EXEC = hiredis.pack_command(("EXEC",))
 READ_CHUNK = 1 << 16
 
 
+def as_map(reply: Any) -> dict[bytes, bytes]:
+    """Names and values (an ``HGETALL`` reply, a stream entry's fields): a map (RESP3) or
+    a flat list of names and values (RESP2); anything else, as none."""
+    if isinstance(reply, dict):
+        return reply
+    if not isinstance(reply, list):
+        return {}
+    return dict(zip(reply[::2], reply[1::2], strict=False))
+
+
+def stream_entries(reply: Any) -> list[tuple[bytes, list[Any]]]:
+    """An ``XREAD`` reply as (stream key, entries): nil (nothing new before the block
+    ended), a map of keys to entries (RESP3) or a list of [key, entries] (RESP2)."""
+    if reply is None:
+        return []
+    if isinstance(reply, dict):
+        return list(reply.items())
+    return [(key, entries) for key, entries in reply]
+
+
 def _pack(command: Command) -> bytes:
     # hiredis's stub types the argument as a one-element tuple; it takes any length.
     packed: bytes = hiredis.pack_command(tuple(command))  # type: ignore[arg-type]

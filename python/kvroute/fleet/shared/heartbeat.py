@@ -31,7 +31,7 @@ from typing import Any
 import orjson
 
 import kvroute.fleet.shared.wire as wire
-from kvroute.fleet.shared.direct import Arg, Direct
+from kvroute.fleet.shared.direct import Arg, Direct, as_map
 from kvroute.fleet.shared.streams import STREAM_TTL_MS
 
 _SCALE = wire.SCALE_FIELD.encode()
@@ -91,7 +91,7 @@ class Heartbeat:
         )
         stamps = _scored(got[5])
         rows: dict[str, dict[bytes, bytes]] = {
-            rid: _hash(row) for rid, row in zip(read, got[7:], strict=True)
+            rid: as_map(row) for rid, row in zip(read, got[7:], strict=True)
         }
         changed = [
             rid
@@ -103,7 +103,7 @@ class Heartbeat:
         self._stamps = stamps
         if changed:  # a router started or came back: one more round trip, this once
             more = await conn.call([("HGETALL", wire.ROUTER + rid) for rid in changed])
-            rows.update((rid, _hash(row)) for rid, row in zip(changed, more, strict=True))
+            rows.update((rid, as_map(row)) for rid, row in zip(changed, more, strict=True))
         routers: dict[str, dict[str, Any]] = {self.id: self._mine}
         if scale is not None:
             routers[self.id] = self._mine | {"bytes_per_token": scale}
@@ -122,13 +122,6 @@ class Heartbeat:
                     theirs[f[2:].decode()] = int(v)
         self._live = set(load)
         return routers, load
-
-
-def _hash(reply: Any) -> dict[bytes, bytes]:
-    """An ``HGETALL`` reply: a map (RESP3) or a flat list of fields and values (RESP2)."""
-    if isinstance(reply, dict):
-        return reply
-    return dict(zip(reply[::2], reply[1::2], strict=True))
 
 
 def _scored(reply: Any) -> dict[bytes, float]:

@@ -44,7 +44,7 @@ from kvroute.fleet.budget import IndexBudget
 from kvroute.fleet.registry import Registry
 from kvroute.fleet.shared.applying import Applier, StoreCounters
 from kvroute.fleet.shared.digests import DigestIndex
-from kvroute.fleet.shared.direct import Direct
+from kvroute.fleet.shared.direct import Direct, as_map, stream_entries
 from kvroute.fleet.shared.heartbeat import Heartbeat, oldest_scale
 from kvroute.fleet.shared.loads import SharedLoad
 from kvroute.fleet.shared.members import Membership
@@ -134,7 +134,6 @@ class StateStore(Publisher, Applier):
         self._stopping = False
         self._refused: str | None = None  # why the server was refused, said once
         self._client: aioredis.Redis | None = None
-        self._reader: aioredis.Redis | None = None  # the blocked XREADs' own connection
         if index is not None:
             index.on_insert = self.publish_insert
         # The work model's load and queued prefill, shared both ways (``loads``).
@@ -178,12 +177,6 @@ class StateStore(Publisher, Applier):
             socket_connect_timeout=1.0,
             retry=Retry(NoBackoff(), 0),  # this class does the retrying, with backoff
         )
-        self._reader = client_for(
-            self.url,
-            socket_timeout=READ_BLOCK_MS / 1000 + REPLY_S,
-            socket_connect_timeout=1.0,
-            retry=Retry(NoBackoff(), 0),
-        )
         self._task = asyncio.create_task(self._run(), name="kvroute-state-store")
 
     async def stop(self) -> None:
@@ -200,9 +193,6 @@ class StateStore(Publisher, Applier):
                         await self._client.delete(wire.ROUTER + self.id)
             with contextlib.suppress(Exception):
                 await close(self._client)
-        if self._reader is not None:
-            with contextlib.suppress(Exception):
-                await close(self._reader)
 
     async def _run(self) -> None:
         delay = BACKOFF_MIN_S
@@ -230,10 +220,9 @@ class StateStore(Publisher, Applier):
                 self.routers.clear()
                 if self.shared_load is not None:
                     self.shared_load.clear()
-                for c in (self._client, self._reader):  # pooled sockets to a dead server
-                    if c is not None:
-                        with contextlib.suppress(Exception):
-                            await c.connection_pool.disconnect()
+                if self._client is not None:  # pooled sockets to a dead server
+                    with contextlib.suppress(Exception):
+                        await self._client.connection_pool.disconnect()
             await asyncio.sleep(delay)
             delay = min(delay * 2, BACKOFF_MAX_S)
 
@@ -247,8 +236,7 @@ class StateStore(Publisher, Applier):
         beats = reads = None
         try:
             beats = await Direct.open(client, REPLY_S)
-            assert self._reader is not None
-            reads = await Direct.open(self._reader, READ_BLOCK_MS / 1000 + REPLY_S)
+            reads = await Direct.open(client, READ_BLOCK_MS / 1000 + REPLY_S)
             # The others follow this router's stream from now (``streams``).
             await client.xadd(
                 wire.STREAM,
@@ -328,7 +316,7 @@ class StateStore(Publisher, Applier):
                     full.add(key)
                 for entry_id, fields in entries:
                     streams.last[key] = entry_id
-                    self._apply(_fields(fields))
+                    self._apply(as_map(fields))
             live = {wire.stream_of(rid.encode()) for rid in self.routers}
             streams.done_reading(asked, full, live)
 
@@ -360,25 +348,6 @@ class StateStore(Publisher, Applier):
         for theirs in load.values():
             for url, n in theirs.items():
                 self.peer_load[url] = self.peer_load.get(url, 0) + n
-
-
-def stream_entries(reply: Any) -> list[tuple[bytes, list[Any]]]:
-    """An ``XREAD`` reply as (stream key, entries): nil (nothing new before the block
-    ended), a map of keys to entries (RESP3) or a list of [key, entries] (RESP2)."""
-    if reply is None:
-        return []
-    if isinstance(reply, dict):
-        return list(reply.items())
-    return [(key, entries) for key, entries in reply]
-
-
-def _fields(raw: Any) -> dict[bytes, bytes]:
-    """An entry's fields: a flat list of names and values (a map, should a server send one)."""
-    if isinstance(raw, dict):
-        return raw
-    if not isinstance(raw, list):
-        return {}
-    return dict(zip(raw[::2], raw[1::2], strict=False))
 
 
 class UnsupportedStore(Exception):
