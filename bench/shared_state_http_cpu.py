@@ -71,17 +71,23 @@ def cpu_ns(pid: int) -> int:
     return total
 
 
-async def one(client: httpx.AsyncClient, url: str, body: bytes) -> bool:
-    async with client.stream(
-        "POST", url, content=body, headers={"content-type": "application/json"}
-    ) as r:
-        async for _ in r.aiter_raw():
-            pass
-        return r.status_code == 200
+async def one(client: httpx.AsyncClient, url: str, body: bytes) -> str | None:
+    """None if the request succeeded, else what went wrong (a status and the start of
+    the body, or the client's exception)."""
+    try:
+        async with client.stream(
+            "POST", url, content=body, headers={"content-type": "application/json"}
+        ) as r:
+            chunks = [c async for c in r.aiter_raw()]
+            if r.status_code == 200:
+                return None
+            return f"HTTP {r.status_code}: {b''.join(chunks)[:200]!r}"
+    except httpx.HTTPError as e:
+        return f"{type(e).__name__}: {e}"
 
 
-async def burst(url: str, bodies: list[bytes], rate: float, seed: int) -> int:
-    """``bodies`` as Poisson arrivals at ``rate``; the number that failed."""
+async def burst(url: str, bodies: list[bytes], rate: float, seed: int) -> list[str]:
+    """``bodies`` as Poisson arrivals at ``rate``; what went wrong with those that failed."""
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(bodies))
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=60.0, limits=limits) as client:
@@ -95,8 +101,8 @@ async def burst(url: str, bodies: list[bytes], rate: float, seed: int) -> int:
             if delay > 0:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(client, url, body)))
-        done = await asyncio.gather(*tasks, return_exceptions=True)
-    return sum(1 for d in done if d is not True)
+        done = await asyncio.gather(*tasks)
+    return [d for d in done if d is not None]
 
 
 def main() -> int:
@@ -203,6 +209,7 @@ def main() -> int:
         for rate in (float(r) for r in args.rates.split(",")):
             per: dict[str, list[float]] = {n: [] for n in names}
             errors = 0
+            failed: list[str] = []
             for rnd in range(args.rounds):
                 # Both routers at once, each its own Poisson draw of the same requests:
                 # whatever else the machine does meanwhile weighs on both alike.
@@ -214,7 +221,7 @@ def main() -> int:
 
                 async def both(
                     bodies: list[bytes] = bodies, rnd: int = rnd, rate: float = rate
-                ) -> list[int]:
+                ) -> list[list[str]]:
                     return list(
                         await asyncio.gather(
                             *(
@@ -229,7 +236,10 @@ def main() -> int:
                         )
                     )
 
-                errors += sum(asyncio.run(both()))
+                for srv, got in zip(sent, asyncio.run(both()), strict=True):
+                    who = next((n for n, r in routers.items() if r is srv), "a peer")
+                    errors += len(got)
+                    failed += [f"{who} ({srv.url}), round {rnd}: {e}" for e in got]
                 for n in names:
                     per[n].append((cpu_ns(routers[n].proc.pid) - before[n]) / 1000 / args.requests)
 
@@ -244,6 +254,8 @@ def main() -> int:
                     f"({min(added):+.0f} to {max(added):+.0f}) "
                 )
             print(row + f"| {errors} |", flush=True)
+            for f in failed:
+                print(f"  failed at {rate:g} req/s: {f}", flush=True)
     finally:
         for srv in reversed(servers):
             srv.stop()

@@ -50,7 +50,6 @@ from kvroute._native import PrefixIndex
 from kvroute.config import Settings, StoreURL
 from kvroute.fleet.registry import Registry
 from kvroute.fleet.shared import DigestIndex, StateStore
-from kvroute.fleet.shared.publishing import LOAD_LINGER_S
 from kvroute.routing.load import LoadModel
 
 WORKERS = [f"http://10.0.0.{i}:8000" for i in range(8)]
@@ -200,10 +199,10 @@ async def requests(
             await asyncio.sleep(0.05)
 
     async def idle() -> None:
-        # Decisions go out at the end of their loop turn. A lone load change lingers
-        # (``publishing.LOAD_LINGER_S``) and goes out with a later decision or at the
-        # linger's end, on its timer, as in ``serve``: not waited for here (polling for
-        # it counted a 50 ms busy wait per change).
+        # Decisions go out at the end of their loop turn. A lone load change waits
+        # for company (``publishing.LOAD_LINGER_S``): a later decision, a change made
+        # the linger after it, or the heartbeat, as in ``serve``; not waited for here
+        # (polling for it counted a busy wait per change).
         await asyncio.sleep(gap)
         while store is not None and store._buf:  # noqa: ASYNC110
             await asyncio.sleep(0.0005)
@@ -224,8 +223,8 @@ async def requests(
         for t in tickets:
             t.end(time.monotonic())
         await idle()
-    if store is not None:  # the last lingering change's write, inside the span
-        await asyncio.sleep(LOAD_LINGER_S + gap)
+    if store is not None:  # the last lingering change's write (the heartbeat's), inside the span
+        await asyncio.sleep(store.heartbeat_s + gap)
     spent = time.process_time_ns() - t0
     kernel = resource.getrusage(resource.RUSAGE_SELF).ru_stime - sys0
     if store is not None:

@@ -156,8 +156,9 @@ def main() -> int:
         "--linger-ms",
         type=float,
         default=LOAD_LINGER_S * 1000,
-        help="how long a load change alone waits for company before it is written, as "
-        "serve's publisher makes it (default %(default)g; 0: each change at once)",
+        help="a load change alone is written with the next decision, with the first change "
+        "made this long after it, or by the heartbeat, as serve's publisher does "
+        "(default %(default)g; 0: each change at once)",
     )
     ap.add_argument("--trace", default=TRACE)
     ap.add_argument("--time-scale", type=float, default=1.0)

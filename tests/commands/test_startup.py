@@ -157,6 +157,7 @@ OTHER_PROGRAMS = {
     "--max-num-seqs",  # vllm serve
     "--idle-s",  # bench/shared_state_http_cpu.py
     "--linger-ms",  # bench/sim_shared_state.py
+    "--heartbeat-ms",  # bench/sim_shared_state.py
     "--max-running-requests",  # sglang
     "--find-links",  # pip
     "--strict",  # mkdocs build

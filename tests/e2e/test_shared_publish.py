@@ -2,8 +2,8 @@
 writes go out on a connection Redis does not answer (``CLIENT REPLY OFF``), every
 change made in one event-loop turn rides in one entry of the router's own stream, a
 decision goes out at once with the load changes waiting, load changes alone made in
-separate turns linger and ride together, and the router does not read its own entries
-back."""
+separate turns wait for a later change or the heartbeat and ride together, and the
+router does not read its own entries back."""
 
 from __future__ import annotations
 
@@ -73,12 +73,13 @@ async def test_changes_of_one_loop_turn_ride_in_one_unanswered_write(
         router_url="http://r:1",
         version="t",
         work=model,
+        heartbeat_s=30.0,  # no beat writes the lingering changes during the test
     )
     await store.start()
     c = redis_server.client()
     try:
         assert await until(lambda: store.connected, within=10)
-        await asyncio.sleep(1.2)  # start-up load published; two heartbeats, read set settled
+        await asyncio.sleep(1.2)  # start-up load published, read set settled
         before = len(entries(c, store))
         assert commands(c, "client|reply") == 1  # the publishing connection asked for no replies
 
@@ -92,27 +93,72 @@ async def test_changes_of_one_loop_turn_ride_in_one_unanswered_write(
         assert one[b"k"] == wire.INSERT and len(list(wire.unpack_inserts(one[b"b"]))) == 3
         assert b"p" in one  # the load change rides with the decisions
 
-        # Separate turns, load changes alone (first bytes): they linger and ride in one
-        # entry, and the store's blocked XREAD does not wake for them (not its stream).
+        # Load changes alone (first bytes) in separate turns: no write of their own and
+        # no timer (the heartbeat is 30 s away); the first change made LOAD_LINGER_S
+        # after the oldest takes them all along in one entry. The store's blocked XREAD
+        # does not wake for them (not its stream).
+        monkeypatch.setattr(publishing, "LOAD_LINGER_S", 0.3)
         xreads = commands(c, "xread")
-        for t in tickets:
-            t.first_byte(0.1)
-            await asyncio.sleep(0)
+        tickets[0].first_byte(0.1)
+        await asyncio.sleep(0)
+        tickets[1].first_byte(0.1)
+        await asyncio.sleep(0.6)
+        assert len(entries(c, store)) == before + 1  # still waiting for company
+        assert store.shared_load is not None and store.shared_load.dirty
+        tickets[2].first_byte(0.1)
         assert await until(lambda: len(entries(c, store)) == before + 2, within=5)
         last = entries(c, store)[-1]
-        assert last[b"k"] == wire.LOAD
+        assert last[b"k"] == wire.LOAD and not store.shared_load.dirty
         assert store.counters.published == 3  # decisions
-        assert commands(c, "xread") - xreads <= 1  # a 500 ms block may end meanwhile
+        assert commands(c, "xread") - xreads <= 1  # a 3 s block may end meanwhile
 
-        # A decision does not wait for the linger: it takes the waiting load along.
+        # A decision takes the waiting load along.
         monkeypatch.setattr(publishing, "LOAD_LINGER_S", 30.0)
         tickets[0].end(0.2)
         await asyncio.sleep(0.5)
-        assert len(entries(c, store)) == before + 2  # the end waits (30 s linger)
+        assert len(entries(c, store)) == before + 2  # the end waits
         index.insert(W, prompt(9))
         assert await until(lambda: len(entries(c, store)) == before + 3, within=5)
         both = entries(c, store)[-1]
         assert both[b"k"] == wire.INSERT and b"p" in both
+    finally:
+        c.close()
+        await store.stop()
+
+
+async def test_a_lone_load_change_goes_out_with_the_next_heartbeat(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No decision and no later change: the heartbeat writes the change, so the other
+    routers learn of a request's end within a heartbeat even when traffic stops."""
+    monkeypatch.setattr(publishing, "LOAD_LINGER_S", 30.0)  # only the heartbeat can
+    registry = Registry(Settings(worker_urls=[W]).validate())
+    registry.add(W)
+    model = LoadModel()
+    model.add_worker(W)
+    store = StateStore(
+        StoreURL(redis_server.url),
+        registry,
+        DigestIndex(),
+        router_url="http://r:1",
+        version="t",
+        work=model,
+        heartbeat_s=0.3,
+    )
+    await store.start()
+    c = redis_server.client()
+    try:
+        assert await until(lambda: store.connected, within=10)
+        await asyncio.sleep(0.8)  # start-up load published
+        assert store.shared_load is not None
+        assert await until(lambda: not store.shared_load.dirty, within=5)
+        before = len(entries(c, store))
+        ticket = model.reserve(W, 64, 10, 0.0)  # a reservation alone: a load change
+        assert store.shared_load.dirty
+        assert await until(lambda: len(entries(c, store)) == before + 1, within=5)
+        assert entries(c, store)[-1][b"k"] == wire.LOAD and not store.shared_load.dirty
+        ticket.end(0.1)
+        assert await until(lambda: len(entries(c, store)) == before + 2, within=5)
     finally:
         c.close()
         await store.stop()

@@ -283,17 +283,18 @@ def test_replicas_sharing_a_store_hear_when_each_other_s_decodes_end() -> None:
     assert w not in tier.work[1].peer_ends
 
 
-def test_a_load_change_alone_lingers_and_a_decision_takes_it_along() -> None:
-    """As serve's publisher: a first byte or an end waits up to the linger for company
-    and is then written as of the linger's end; a decision of the same replica writes
-    what waits at once, with its own reservation."""
+def test_a_load_change_alone_waits_for_a_later_change_or_the_heartbeat() -> None:
+    """As serve's publisher: a first byte or an end waits for company. A decision of the
+    same replica writes what waits at once, with its own reservation; so does the first
+    change made the linger or more after the oldest waiting; with no change after it,
+    the replica's next heartbeat writes it, as of then."""
     tier = RouterTier(
         cache_aware,
         worker_names(2),
         replicas=2,
         store_delay_s=0.1,
         store_linger_s=1.0,
-        heartbeat_s=60,
+        heartbeat_s=4.0,  # replica 0 beats at 4, 8, ...; replica 1 at 2, 6, ...
     )
     written: list[tuple[float, int, str, tuple[int, int, int]]] = []
     send = tier._send_load
@@ -307,17 +308,26 @@ def test_a_load_change_alone_lingers_and_a_decision_takes_it_along() -> None:
     w = tier.route(0, RouteRequest(tokens=prompt(3)), now=0.0, output_len=50)  # replica 0
     assert written == [(0.0, 0, w, (1, 1, 512))]  # with its decision, at once
     tier.first_byte(0, 0.3)  # alone: waits
-    assert len(written) == 1
     v = tier.route(1, RouteRequest(tokens=prompt(4)), now=0.5)  # replica 1 decides
-    assert written[1] == (0.5, 1, v, (1, 1, 512))
-    tier.first_byte(1, 2.0)  # replica 0's wait ended at 1.3: written as of then
-    assert written[2] == (pytest.approx(1.3), 0, w, (1, 0, 0))
-    # Replica 1's first byte waits; its next decision takes it along at once.
-    assert len(written) == 3
-    tier.route(2, RouteRequest(tokens=prompt(5)), now=2.1)  # replica 0
-    tier.route(3, RouteRequest(tokens=prompt(6)), now=2.2)  # replica 1
+    assert written[1:] == [(0.5, 1, v, (1, 1, 512))]
+    tier.first_byte(1, 0.9)  # replica 1's, alone: waits
+    tier.done(0, 1.1)  # replica 0: 0.8 after its first byte, not yet the linger
+    assert len(written) == 2
+    # Replica 0 decides: its first byte and end ride along (absolute values: one
+    # record of the worker, with the new request, which went to the idle w again).
+    assert tier.route(2, RouteRequest(tokens=prompt(5)), now=1.2) == w
+    assert written[2:] == [(1.2, 0, w, (1, 1, 512))]
+    n = len(written)
+    tier.first_byte(2, 1.5)  # alone
+    # At 2.6: replica 1's first byte (0.9, nothing after it) went out with its
+    # heartbeat at 2.0; replica 0's end came 1.1 after its first byte: written at once.
+    tier.done(2, 2.6)
+    assert written[n:] == [(2.0, 1, v, (1, 0, 0)), (2.6, 0, w, (0, 0, 0))]
+    tier.done(1, 3.0)
+    assert len(written) == n + 2 and tier._dirty[1] == {v}  # the end waits, for beat 6.0
+    tier.route(3, RouteRequest(tokens=prompt(6)), now=3.2)  # replica 1: takes it along
     ones = [e for e in written if e[1] == 1]
-    assert ones[-1][0] == 2.2 and any(e[2] == v and e[0] == 2.2 for e in ones)
+    assert any(e[2] == v and e[0] == 3.2 and e[3] == (0, 0, 0) for e in ones)
     assert tier._dirty == [set(), set()]
 
 

@@ -248,7 +248,8 @@ def configure(p: argparse.ArgumentParser) -> None:
         type=float,
         default=0.5,
         help="--state-store: how often a router shares its load and reads the others'; "
-        "a router silent for 4 heartbeats (at least 2 s) is dropped with its load",
+        "a router silent for 4 heartbeats (at least 2 s) is dropped with its load; a "
+        "load change no later change took along is written by the next heartbeat",
     )
     g.add_argument(
         "--state-store-stream-len",

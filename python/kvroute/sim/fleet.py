@@ -139,8 +139,9 @@ class FleetConfig:
     # reach the others this much later; None: no store (kvroute.sim.routers).
     state_store_delay_s: float | None = None
     state_store_heartbeat_s: float = 0.5
-    # With a store: how long a load change alone waits for company before it is written
-    # (serve's ``LOAD_LINGER_S``; 0: each change written at once, as before).
+    # With a store: a load change alone is written with the replica's next decision, or
+    # with its first change made this long after it, or by its next heartbeat (serve's
+    # ``LOAD_LINGER_S``; 0: each change written at once).
     state_store_linger_s: float = LOAD_LINGER_S
     # Requests of one group are the turns of one conversation (``workloads.multiturn``),
     # and a turn's prompt holds the answer to the one before: it is sent at its drawn

@@ -29,8 +29,11 @@ What an approximate router cannot see, modelled so precise mode can be judged on
   trip and the reader's wake-up); so does each replica's load per worker whenever it
   changes (requests in flight, those waiting for a first byte, their uncached tokens),
   which the others add to their own, as ``kvroute.fleet.shared.loads`` publishes and
-  applies it. Heartbeats (``heartbeat_s``) only expire a crashed router's load there:
-  no replica crashes here, so they change nothing. Routing on bytes with budgets from
+  applies it. A load change alone waits as ``serve``'s publisher makes it wait
+  (``store_linger_s``): a decision takes it along, so does the first change made
+  ``store_linger_s`` or more after it, and otherwise the replica's next heartbeat
+  writes it (``heartbeat_s``, each replica's beats a fraction of an interval apart).
+  Heartbeats expire nothing here: no replica crashes. Routing on bytes with budgets from
   the engines, each replica learns its bytes per token and all budget with the oldest
   one's (replica 0's, as soon as it learned one; serve publishes it with the heartbeat).
 
@@ -49,6 +52,7 @@ every worker is trusted, as the router does with ``--kv-events`` and every worke
 
 from __future__ import annotations
 
+import math
 from bisect import insort
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -165,9 +169,12 @@ class RouterTier:
             self.policies = [
                 make(self._index(max_tree_size, worker_budgets)) for _ in range(replicas)
             ]
-        # Per replica: the workers whose load changed since its last write, when its
-        # wait ends, and whether it published a decision in the current step.
+        # Per replica: the workers whose load changed since its last write, when the
+        # oldest of those changes came, when its wait ends at the latest (its next
+        # heartbeat), and whether a write is due at the end of the current step (a
+        # decision published, or a change that found the oldest waiting long enough).
         self._dirty: list[set[str]] = [set() for _ in self.policies]
+        self._first_change: list[float | None] = [None] * len(self.policies)
         self._linger_until: list[float | None] = [None] * len(self.policies)
         self._decided = [False] * len(self.policies)
         self.peer: list[dict[str, int]] = [dict.fromkeys(self.names, 0) for _ in self.policies]
@@ -267,10 +274,21 @@ class RouterTier:
                 self._send_load(k, worker, self._now)
                 return
             self._dirty[k].add(worker)
-            if self._linger_until[k] is None:
-                self._linger_until[k] = self._now + self.store_linger_s
+            first = self._first_change[k]
+            if first is None:
+                self._first_change[k] = self._now
+                self._linger_until[k] = self._next_beat(k, self._now)
+            elif self._now - first >= self.store_linger_s:
+                self._decided[k] = True  # written at the end of this step (``_wrote``)
 
         return publish
+
+    def _next_beat(self, k: int, t: float) -> float:
+        """Replica ``k``'s first heartbeat after ``t`` (the replicas' beats spread
+        evenly over an interval)."""
+        hb = self.heartbeat_s
+        phase = hb * k / len(self.policies)
+        return phase + (math.floor((t - phase) / hb) + 1) * hb
 
     def _send_load(self, k: int, worker: str, now: float) -> None:
         """Replica ``k``'s load on ``worker`` as of ``now``, written then."""
@@ -292,6 +310,7 @@ class RouterTier:
         for worker in sorted(self._dirty[k]):
             self._send_load(k, worker, now)
         self._dirty[k].clear()
+        self._first_change[k] = None
         self._linger_until[k] = None
 
     def _lingered(self, now: float) -> None:
@@ -305,8 +324,9 @@ class RouterTier:
             self._write_load(k, until)
 
     def _wrote(self, k: int, now: float) -> None:
-        """After replica ``k``'s step: a decision it published took its waiting load
-        changes along (serve: written together at the end of the event-loop turn)."""
+        """After replica ``k``'s step: a decision it published, or a change that found
+        the oldest waiting ``store_linger_s`` old, took the waiting load changes along
+        (serve: written together at the end of the event-loop turn)."""
         if self._decided[k]:
             self._decided[k] = False
             if self._dirty[k]:
@@ -387,6 +407,8 @@ class RouterTier:
             if self.shared:
                 self._lingered(now)
             opened[2].first_byte(now)
+            if self.shared:
+                self._wrote(opened[0], now)
 
     def done(self, r: int, now: float = 0.0, output_tokens: int | None = None) -> None:
         """Request ``r`` ended: its replica releases the load (bypass requests: nothing)."""
@@ -398,6 +420,8 @@ class RouterTier:
         if self.shared:
             self._lingered(now)
         ticket.end(now, output_tokens)
+        if self.shared:
+            self._wrote(k, now)
         budgeted = self._plans[k]
         if budgeted is not None:  # the simulated engines count the IDs it was routed as
             plan, index = budgeted

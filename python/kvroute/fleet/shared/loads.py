@@ -145,10 +145,10 @@ class SharedLoad:
     # ----------------------------------------------------------- publishing
 
     def changed(self, worker: str) -> None:
-        """A request on ``worker`` was reserved, had its first byte or ended (O(1))."""
-        if not self._dirty:
-            self._wake()
+        """A request on ``worker`` was reserved, had its first byte or ended (O(1)); the
+        publisher hears of every change (one old enough to go out may be waiting)."""
         self._dirty.add(worker)
+        self._wake()
 
     @property
     def dirty(self) -> bool:

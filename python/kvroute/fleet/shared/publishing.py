@@ -6,16 +6,21 @@ Nothing on the request path waits for Redis: a decision or a load change is queu
 event-loop turn is over (``call_soon``), with everything else queued by then, as
 ``XADD``s in one socket write (``_write``: a decision and its reservation ride in one
 entry), on a connection of its own that has told Redis not to reply (``unanswered``:
-``CLIENT REPLY OFF``). A load change alone (a first byte, an end) lingers up to
-``LOAD_LINGER_S`` for company: the next decision takes it along, or the linger's end
-writes every change made meanwhile in one entry. Why: with requests arriving one at a
-time, each cost three writes (its decision and reservation, its first byte, its end),
-and on loopback the writer's ``send`` also runs Redis's side of TCP and wakes it: most
-of what publishing cost per request end to end (``docs/several-routers.md``). Waking a
-task, awaiting, reading and parsing a reply per write was most of the rest
-(``bench/shared_state_overhead.py``). What the linger costs the other routers: they see
-a prefill end or a request end up to ``LOAD_LINGER_S`` late (a reservation never: it
-rides with its decision), while engine readings come every few seconds and a request's
+``CLIENT REPLY OFF``). A load change alone (a first byte, an end) waits for company: the
+next decision takes it along; so does the first change made ``LOAD_LINGER_S`` or more after
+it (written at the end of that change's turn, with every change made meanwhile); and when
+no change comes, the next heartbeat writes it (``flush_lingering``, every
+``--state-store-heartbeat-secs``). No timer of its own: a timer's wake-up, with the
+event loop otherwise idle, cost more than the write it carried (a 50 ms timer did,
+until December 2026: ``docs/several-routers.md``). Why wait at all: with requests
+arriving one at a time, each cost three writes (its decision and reservation, its first
+byte, its end), and on loopback the writer's ``send`` also runs Redis's side of TCP and
+wakes it: most of what publishing cost per request end to end (``docs/several-routers.md``).
+Waking a task, awaiting, reading and parsing a reply per write was most of the rest
+(``bench/shared_state_overhead.py``). What the wait costs the other routers: they see a
+prefill end or a request end late (a reservation never: it rides with its decision), by
+about ``LOAD_LINGER_S`` plus the gap to the next change under steady traffic, by up to a
+heartbeat when traffic is sparse, while engine readings come every few seconds and a request's
 first byte takes hundreds of milliseconds. The price of unanswered writes: Redis's
 errors on them are not seen; a lost connection is (``_watch``, and the other tasks'
 commands fail). The
@@ -52,7 +57,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvroute.fleet.shared")
 
 WRITE_BUFFER = 1 << 20  # bytes not yet taken by Redis beyond which the request path stops writing
-LOAD_LINGER_S = 0.05  # a load change alone waits this long at most for others to ride with
+LOAD_LINGER_S = 0.05  # a load change this old is written with the next change made
 
 
 class Publisher:
@@ -62,7 +67,7 @@ class Publisher:
     _buf: deque[tuple[str, bytes]]
     _commands: wire.Commands
     _soon: bool
-    _later: asyncio.TimerHandle | None
+    _lingering: float | None  # loop time of the oldest load change not yet written
     _writer: asyncio.StreamWriter | None
     _wake: asyncio.Event
     answered: bool  # Redis refused CLIENT REPLY OFF: the writes' replies are read (_watch)
@@ -81,19 +86,27 @@ class Publisher:
             asyncio.get_running_loop().call_soon(self._flush)
 
     def _load_changed(self) -> None:
-        """A load change was queued with nothing else: written with the next decision,
-        or ``LOAD_LINGER_S`` from now with every change made meanwhile."""
-        if self._writer is not None and not self._soon and self._later is None:
-            self._later = asyncio.get_running_loop().call_later(LOAD_LINGER_S, self._flush)
+        """A load change was queued: written with the next decision, with the first
+        change made ``LOAD_LINGER_S`` or more after the oldest one waiting, or by the
+        next heartbeat (``flush_lingering``)."""
+        if self._writer is None or self._soon:
+            return
+        loop = asyncio.get_running_loop()
+        since = self._lingering
+        if since is None:
+            self._lingering = loop.time()
+        elif loop.time() - since >= LOAD_LINGER_S:
+            self._soon = True
+            loop.call_soon(self._flush)
 
-    def _cancel_linger(self) -> None:
-        if self._later is not None:
-            self._later.cancel()
-            self._later = None
+    def flush_lingering(self) -> None:
+        """Write the load changes still waiting for company (the heartbeat's turn)."""
+        shared = self.shared_load
+        if shared is not None and shared.dirty and not self._soon:
+            self._flush()
 
     def _flush(self) -> None:
         self._soon = False
-        self._cancel_linger()
         writer = self._writer
         if writer is None:
             return  # disconnected since: the session's next start publishes it
@@ -121,6 +134,7 @@ class Publisher:
         """Everything queued, as ``XADD``s in one write; no reply comes back."""
         shared = self.shared_load
         load, ends = shared.take() if shared is not None and shared.dirty else (b"", b"")
+        self._lingering = None
         buf = self._buf
         n = len(buf)
         if n == 0:

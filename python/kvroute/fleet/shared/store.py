@@ -128,7 +128,7 @@ class StateStore(Publisher, Applier):
         # whether a write is already scheduled for the end of this event-loop turn.
         self._writer: asyncio.StreamWriter | None = None
         self._soon = False
-        self._later: asyncio.TimerHandle | None = None  # a lone load change's write
+        self._lingering: float | None = None  # when the oldest unwritten load change came
         self.answered = False
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -181,7 +181,6 @@ class StateStore(Publisher, Applier):
 
     async def stop(self) -> None:
         self._stopping = True
-        self._cancel_linger()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -322,6 +321,7 @@ class StateStore(Publisher, Applier):
 
     async def _heartbeat_loop(self, conn: Direct) -> None:
         while True:
+            self.flush_lingering()  # the load changes no later change took along
             await self._beat(conn)
             await asyncio.sleep(self.heartbeat_s)
 
