@@ -170,12 +170,11 @@ class RouterTier:
                 make(self._index(max_tree_size, worker_budgets)) for _ in range(replicas)
             ]
         # Per replica: the workers whose load changed since its last write, when the
-        # oldest of those changes came, when its wait ends at the latest (its next
-        # heartbeat), and whether a write is due at the end of the current step (a
+        # oldest of those changes came (its wait ends at the latest with the replica's
+        # next heartbeat), and whether a write is due at the end of the current step (a
         # decision published, or a change that found the oldest waiting long enough).
         self._dirty: list[set[str]] = [set() for _ in self.policies]
         self._first_change: list[float | None] = [None] * len(self.policies)
-        self._linger_until: list[float | None] = [None] * len(self.policies)
         self._decided = [False] * len(self.policies)
         self.peer: list[dict[str, int]] = [dict.fromkeys(self.names, 0) for _ in self.policies]
         self.loads: list[dict[str, int]] = [dict.fromkeys(self.names, 0) for _ in self.policies]
@@ -277,7 +276,6 @@ class RouterTier:
             first = self._first_change[k]
             if first is None:
                 self._first_change[k] = self._now
-                self._linger_until[k] = self._next_beat(k, self._now)
             elif self._now - first >= self.store_linger_s:
                 self._decided[k] = True  # written at the end of this step (``_wrote``)
 
@@ -311,17 +309,17 @@ class RouterTier:
             self._send_load(k, worker, now)
         self._dirty[k].clear()
         self._first_change[k] = None
-        self._linger_until[k] = None
 
     def _lingered(self, now: float) -> None:
         """Before handling an event at ``now``: the replicas whose wait ended by then
         write their changes at that end (nothing of theirs changed since: every change
         goes through an event, and this runs first)."""
-        for k, until in sorted(
-            ((k, u) for k, u in enumerate(self._linger_until) if u is not None and u <= now),
-            key=lambda e: e[1],
-        ):
-            self._write_load(k, until)
+        ends = [
+            (self._next_beat(k, f), k) for k, f in enumerate(self._first_change) if f is not None
+        ]
+        for until, k in sorted(ends):
+            if until <= now:
+                self._write_load(k, until)
 
     def _wrote(self, k: int, now: float) -> None:
         """After replica ``k``'s step: a decision it published, or a change that found

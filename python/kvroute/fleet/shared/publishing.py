@@ -92,10 +92,10 @@ class Publisher:
         if self._writer is None or self._soon:
             return
         loop = asyncio.get_running_loop()
-        since = self._lingering
+        now, since = loop.time(), self._lingering
         if since is None:
-            self._lingering = loop.time()
-        elif loop.time() - since >= LOAD_LINGER_S:
+            self._lingering = now
+        elif now - since >= LOAD_LINGER_S:
             self._soon = True
             loop.call_soon(self._flush)
 
