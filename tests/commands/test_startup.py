@@ -158,6 +158,7 @@ OTHER_PROGRAMS = {
     "--idle-s",  # bench/shared_state_http_cpu.py
     "--linger-ms",  # bench/sim_shared_state.py
     "--heartbeat-ms",  # bench/sim_shared_state.py
+    "--gaps-ms",  # bench/store_read_wakes.py
     "--max-running-requests",  # sglang
     "--find-links",  # pip
     "--strict",  # mkdocs build
