@@ -159,6 +159,7 @@ OTHER_PROGRAMS = {
     "--linger-ms",  # bench/sim_shared_state.py
     "--heartbeat-ms",  # bench/sim_shared_state.py
     "--gaps-ms",  # bench/store_read_wakes.py
+    "--nonblocking",  # py-spy record
     "--max-running-requests",  # sglang
     "--find-links",  # pip
     "--strict",  # mkdocs build
