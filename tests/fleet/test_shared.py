@@ -598,5 +598,22 @@ def test_pushes_go_live_only_after_an_xread_sent_after_the_subscription() -> Non
     streams.last[key] = ids[8]  # the XREAD read 7 and 8 (applied by the read loop)
     pushes.caught_up(streams.round, asked, set())
     assert key in streams.live and applied == [b"5", b"6"]  # 8 kept, already read
+    # A number lost outright (neither in the stream nor pushed): once the stream has
+    # been read to its end, what was kept after it is applied, not waited for.
+    pushes.pushed(message(8))  # live: 8 was read, skipped
+    pushes._arm(peer)  # as after a missing push
+    commands.next_id()  # entry 9 never written anywhere; 10 and 11 pushed
+    later = []
+    for n in (10, 11):
+        reader = hiredis.Reader()
+        reader.feed(commands.load(b"%d" % n))
+        reader.gets()
+        later.append(reader.gets()[2])
+    for payload in later:
+        pushes.pushed([b"message", channel, payload])
+    asked = streams.read_args()
+    pushes.caught_up(streams.round, asked, set())  # the stream ends at 8
+    assert key in streams.live and applied == [b"5", b"6", b"10", b"11"]
+    assert streams.last[key] == wire.pushed_entry(later[-1])[1]
     pushes.want([])  # the peer no longer publishes (or is gone)
     assert writer.sent[-1] == [b"UNSUBSCRIBE", channel] and key not in streams.live

@@ -18,7 +18,8 @@ known to carry everything after what was read:
 3. The next ``XREAD`` sent after the confirmation that reads the peer's stream to its
    end (fewer entries than asked for) has read everything before those pushes: the
    stream goes *live*. It leaves the ``XREAD`` (``Streams.live``), and the kept pushes
-   after its last entry are applied.
+   after its last entry are applied, in order. A number missing among them was in
+   neither (a write cut short before Redis had either half): it is not waited for.
 4. Live, each push is applied when it comes if its id follows the last one applied
    (``wire.follows``: a router's ids count 1, 2, 3...). One already seen is skipped.
    After a missing one (a peer's write cut between its ``XADD`` and its ``PUBLISH``),
@@ -167,7 +168,13 @@ class Pushes:
             if since is None or asked_round <= since:
                 continue
             self.streams.live.add(key)
+            last = wire.parse_id(self.streams.last[key])
             for entry_id, fields in self.kept.pop(rid, []):
-                self._entry(rid, key, entry_id, fields)
-            if key in self.streams.live:
-                self.kept.pop(rid, None)
+                # After what the XREAD read, in order. A number missing here was neither
+                # in the stream when it was read to its end nor pushed since: lost
+                # outright (a write cut short), not to be waited for.
+                if (at := wire.parse_id(entry_id)) > last:
+                    last = at
+                    self.streams.last[key] = entry_id
+                    self.received += 1
+                    self._apply(fields)
