@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvroute.eval.procs import Server
-from support import start_fake_worker, start_router
+from support import RedisServer, start_fake_worker, start_router
 
 
 @pytest.fixture
@@ -32,3 +32,11 @@ def fleet(tmp_path: Path, processes: list[Server]) -> Callable[..., tuple[Server
         return router, workers
 
     return make
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server on a free loopback port, stopped at the end of the test."""
+    server = RedisServer(tmp_path)
+    yield server
+    server.stop()

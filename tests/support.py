@@ -3,6 +3,7 @@ and the fake worker's recording and control endpoints."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
@@ -195,6 +196,18 @@ def wait_until(cond: Callable[[], object], timeout_s: float = 30.0) -> bool:
         if cond():
             return True
         time.sleep(0.05)
+    return False
+
+
+async def until(cond: Callable[[], object], within: float) -> bool:
+    """Poll ``cond`` until true, ``within`` seconds at most, letting the event loop (a
+    store's tasks) run in between (``wait_until`` inside a coroutine)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while loop.time() < deadline:
+        if cond():
+            return True
+        await asyncio.sleep(0.02)
     return False
 
 

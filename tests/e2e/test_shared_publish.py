@@ -19,7 +19,7 @@ from kvroute.config import Settings, StoreURL
 from kvroute.fleet.registry import Registry
 from kvroute.fleet.shared import DigestIndex, StateStore, publishing, wire
 from kvroute.routing.load import LoadModel
-from support import NEEDS_REDIS, RedisServer, cluster_flags
+from support import NEEDS_REDIS, RedisServer, cluster_flags, until
 
 pytestmark = NEEDS_REDIS
 
@@ -36,27 +36,8 @@ def entries(c: redis.Redis, store: StateStore) -> list[dict[bytes, bytes]]:
     return [f for _, f in c.xrange(store.streams.own) if f[b"k"] in (wire.INSERT, wire.LOAD)]
 
 
-async def until(cond: object, within: float) -> bool:
-    """Poll ``cond`` (a callable) until true, ``within`` seconds at most, letting the
-    event loop (the store's tasks) run in between."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while loop.time() < deadline:
-        if cond():  # type: ignore[operator]
-            return True
-        await asyncio.sleep(0.02)
-    return False
-
-
 def commands(c: redis.Redis, name: str) -> int:
     return int(c.info("commandstats").get(f"cmdstat_{name}", {}).get("calls", 0))
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> object:
-    server = RedisServer(tmp_path)
-    yield server
-    server.stop()
 
 
 async def test_changes_of_one_loop_turn_ride_in_one_unanswered_write(

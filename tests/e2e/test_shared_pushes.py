@@ -9,7 +9,6 @@ from __future__ import annotations
 import array
 import asyncio
 import logging
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +17,7 @@ import redis
 from kvroute.config import Settings, StoreURL
 from kvroute.fleet.registry import Registry
 from kvroute.fleet.shared import DigestIndex, StateStore
-from support import NEEDS_REDIS, RedisServer
+from support import NEEDS_REDIS, RedisServer, until
 
 pytestmark = NEEDS_REDIS
 
@@ -28,16 +27,6 @@ W = "http://127.0.0.1:1"
 def prompt(seed: int, n: int = 64) -> array.array[int]:
     rng = np.random.default_rng(seed)
     return array.array("I", rng.integers(0, 150_000, n).astype(np.uint32).tobytes())
-
-
-async def until(cond: object, within: float) -> bool:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while loop.time() < deadline:
-        if cond():  # type: ignore[operator]
-            return True
-        await asyncio.sleep(0.02)
-    return False
 
 
 def xreads(c: redis.Redis) -> int:
@@ -56,13 +45,6 @@ def make(url: str) -> tuple[StateStore, DigestIndex]:
 
 def applied(store: StateStore) -> int:
     return store.counters.applied["insert"]
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> object:
-    server = RedisServer(tmp_path)
-    yield server
-    server.stop()
 
 
 async def test_a_peers_entries_come_pushed_once_its_stream_is_read_to_the_end(
