@@ -18,10 +18,6 @@ router is no longer live is dropped from the read set once read to its end; its 
 is remembered, so a router that comes back is read on from there, never twice. Each
 router's stream expires ``STREAM_TTL_MS`` after its last heartbeat.
 
-A followed router that publishes its entries (``pushes``) leaves the ``XREAD`` once
-its pushes are known to carry everything after what was read (``live``), and comes back
-to it whenever they are not.
-
 After a reconnection (``check``): a stream whose newest entry is older than the last
 one read was recreated (Redis restarted empty) and is read from its start; one whose
 oldest entry is newer than the last one read was trimmed past it (this router fell more
@@ -45,9 +41,6 @@ class Streams:
         self.own = own
         self.last: dict[bytes, bytes] = {wire.STREAM_B: b"0"}  # every stream seen -> last id
         self.reading: set[bytes] = {wire.STREAM_B}
-        # Followed streams whose entries come pushed (``pushes``): left out of the XREAD.
-        self.live: set[bytes] = set()
-        self.round = 0  # XREADs sent so far (``pushes``: which one came after what)
 
     def follow(self, key: bytes) -> None:
         """Read ``key`` (from where it was left, or its start)."""
@@ -65,10 +58,7 @@ class Streams:
         return [key[skip:].decode(errors="replace") for key in self.reading if key != wire.STREAM_B]
 
     def read_args(self) -> dict[bytes, bytes]:
-        """The streams to ``XREAD`` next and from where; counts the read (``round``)."""
-        self.round += 1
-        live = self.live
-        return {key: self.last[key] for key in self.reading if key not in live}
+        return {key: self.last[key] for key in self.reading}
 
     def done_reading(self, asked: Iterable[bytes], full: set[bytes], live: set[bytes]) -> None:
         """After an ``XREAD`` of ``asked``: drop the streams of routers not ``live`` (by
@@ -79,8 +69,6 @@ class Streams:
         for key in asked:
             if key != wire.STREAM_B and key not in live and key not in full:
                 self.reading.discard(key)
-        for key in [k for k in self.live if k not in live]:  # pushed, and no longer live
-            self.reading.discard(key)
 
     async def discover(self, client: aioredis.Redis) -> None:
         """At (re)connection: every router's stream the registry lists (``heartbeat``),
