@@ -6,8 +6,6 @@ server gone) failing with the connection closed for good."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
@@ -18,13 +16,6 @@ from kvroute.fleet.shared.direct import Direct, stream_entries
 from support import NEEDS_REDIS, RedisServer
 
 pytestmark = NEEDS_REDIS
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path)
-    yield server
-    server.stop()
 
 
 @pytest.mark.parametrize("protocol", [2, 3])

@@ -6,8 +6,6 @@ whose clock is far off is still found."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
@@ -25,13 +23,6 @@ W = "http://127.0.0.1:1"
 
 def calls(c: redis.Redis, name: str) -> int:
     return int(c.info("commandstats").get(f"cmdstat_{name}", {}).get("calls", 0))
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path)
-    yield server
-    server.stop()
 
 
 def beat_of(rid: str) -> Heartbeat:

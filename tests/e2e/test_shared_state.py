@@ -39,13 +39,6 @@ BLOCKS = 16  # tokens per shared digest block
 QUESTION = 64  # tokens of each request's own question in the load test
 
 
-@pytest.fixture
-def redis_server(tmp_path: Path) -> object:
-    server = RedisServer(tmp_path)
-    yield server
-    server.stop()
-
-
 Routers = Callable[..., list[Server]]
 
 
