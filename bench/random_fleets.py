@@ -173,6 +173,22 @@ def draw(seed: int, index: int) -> Case:
     return Case(index, text, cfg, reqs, arrive, conversations=family == "chat")
 
 
+def rule_capacity(case: Case, sweep: argparse.Namespace) -> tuple[Prepared, float]:
+    """``case``'s requests prepared, and SGLang's rule's capacity at the SLO on them (the
+    study's bounded sweep, ``work_aware.capacity``, arrivals drawn as the case draws
+    them); ``sweep``: ``slo``, ``max_steps``, ``bisect``."""
+    prep = prepare(case.requests, case.cfg.block_size)
+    tps = sum(c.prefill_tokens_per_s for c in case.cfg.costs())
+    r0 = tps / (prep.prompt_tokens / len(prep.requests)) / 4
+    _, pol, st = next(p for p in POLICIES if p[0] == BASELINE)
+    work_aware.at_rate = case.arrive  # the sweep draws arrivals as the case does
+    try:
+        cap, _ = capacity(prep, pol, st, case.cfg, sweep, r0)
+    finally:
+        work_aware.at_rate = at_rate
+    return prep, cap
+
+
 def _cases(spec: str) -> list[int]:
     out: list[int] = []
     for part in spec.split(","):
@@ -257,15 +273,7 @@ def main() -> int:
             if not case.conversations:
                 continue
             case.cfg = replace(case.cfg, causal_turns=True)
-        prep = prepare(case.requests, case.cfg.block_size)
-        tps = sum(c.prefill_tokens_per_s for c in case.cfg.costs())
-        r0 = tps / (prep.prompt_tokens / len(prep.requests)) / 4
-        _, pol, st = next(p for p in POLICIES if p[0] == BASELINE)
-        work_aware.at_rate = case.arrive  # the sweep draws arrivals as the case does
-        try:
-            cap, _ = capacity(prep, pol, st, case.cfg, sweep, r0)
-        finally:
-            work_aware.at_rate = at_rate
+        prep, cap = rule_capacity(case, sweep)
         if cap <= 0.0:
             # Even the sweep's lowest rate misses the SLO under the rule: no load to scale.
             print(f"| {i}: {case.text}; no rate meets the SLO under the rule: skipped | | | |")

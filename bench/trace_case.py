@@ -24,11 +24,9 @@ from typing import Any
 import numpy as np
 
 import random_fleets as rf
-import work_aware
 from kvroute.fleet import engine_load
 from kvroute.routing.load import model as load_model
-from kvroute.sim.fleet import prepare
-from work_aware import BASELINE, POLICIES, at_rate, capacity, run
+from work_aware import BASELINE, POLICIES, run
 
 
 def main() -> int:
@@ -50,16 +48,7 @@ def main() -> int:
         causal_turns=a.causal_turns,
         capacity_reported=a.capacity_reported,
     )
-    prep = prepare(case.requests, case.cfg.block_size)
-    tps = sum(c.prefill_tokens_per_s for c in case.cfg.costs())
-    r0 = tps / (prep.prompt_tokens / len(prep.requests)) / 4
-    _, rule, rule_settings = next(p for p in POLICIES if p[0] == BASELINE)
-    sweep = argparse.Namespace(slo=2.0, max_steps=8, bisect=4)
-    work_aware.at_rate = case.arrive  # the sweep draws arrivals as the case does
-    try:
-        cap, _ = capacity(prep, rule, rule_settings, case.cfg, sweep, r0)
-    finally:
-        work_aware.at_rate = at_rate
+    prep, cap = rf.rule_capacity(case, argparse.Namespace(slo=2.0, max_steps=8, bisect=4))
     print(f"{case.text}; rule's capacity {cap:.2f} req/s, run at {a.load:g}x")
     arrivals = case.arrive(prep, a.load * cap, 1)
     groups = [r.group for r in case.requests]
