@@ -205,3 +205,49 @@ async def test_a_redis_cluster_is_refused_once_and_routing_stays_local(
             await store.stop()
     finally:
         server.stop()  # also when the store fails to start
+
+
+async def test_a_router_that_joins_is_read_at_once_not_at_the_next_heartbeat(
+    redis_server: RedisServer,
+) -> None:
+    """A router reads a new router's stream from its greeting on, though its own last
+    heartbeat read (here 30 s old) does not list it yet: the stream is not dropped as a
+    dead router's once read to its end, so the newcomer's decisions are applied as they
+    come, not after this router's next heartbeat."""
+    stores, indexes = [], []
+    for name in ("a", "b"):
+        registry = Registry(Settings(worker_urls=[W]).validate())
+        registry.add(W)
+        model = LoadModel()
+        model.add_worker(W)
+        index = DigestIndex()
+        stores.append(
+            StateStore(
+                StoreURL(redis_server.url),
+                registry,
+                index,
+                router_url=f"http://{name}:1",
+                version="t",
+                work=model,
+                heartbeat_s=30.0,  # no second heartbeat read during the test
+            )
+        )
+        indexes.append(index)
+    a, b = stores
+    await a.start()
+    try:
+        assert await until(lambda: a.connected and bool(a.routers), within=10)
+        await b.start()
+        assert await until(lambda: b.connected, within=10)
+        theirs = b.streams.own
+        # a read b's greeting, then b's stream to its end (b's start-up load): the point
+        # at which a stream of a router no heartbeat listed used to be dropped.
+        assert await until(lambda: a.streams.last.get(theirs, b"0") != b"0", within=10)
+        await asyncio.sleep(0.3)
+        assert b.id not in a.routers  # a's heartbeat read predates b
+        assert theirs in a.streams.reading
+        indexes[1].insert(W, prompt(7))  # b routes a prefix
+        assert await until(lambda: indexes[0].match(prompt(7)) == {W: 64}, within=5)
+    finally:
+        for s in (b, a):
+            await s.stop()

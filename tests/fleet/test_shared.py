@@ -478,6 +478,17 @@ def test_a_router_reads_the_others_streams_not_its_own_and_drops_the_dead_once_r
     assert s.reading == {wire.STREAM_B, a}
     s.follow(b)  # b greets again: read on from where it was left, never twice
     assert s.read_args()[b] == b"7-0"
+    # A greeting counts as live for its time, whatever the last heartbeat read listed
+    # (one that predates the greeting does not list the newcomer).
+    c = wire.stream_of(b"c")
+    s.greet(c, live_s=2.0)
+    s.greet(me, live_s=2.0)  # its own greeting, read back: never followed
+    assert c in s.reading and me not in s.reading and me not in s.greeted
+    until = s.greeted[c]
+    s.done_reading({c}, full=set(), live={a, me}, now=until - 0.1)
+    assert c in s.reading
+    s.done_reading({c}, full=set(), live={a, me}, now=until)  # its time is over: dropped
+    assert c not in s.reading and not s.greeted
 
 
 def test_the_replicas_scale_is_the_oldest_learned_one_whoever_reads_it() -> None:

@@ -74,7 +74,7 @@ class Applier:
         if kind == wire.LOAD:
             return
         if kind == wire.HELLO:  # a router connected: read its stream from now on
-            self.streams.follow(wire.stream_of(fields.get(b"r", b"")))
+            self.streams.greet(wire.stream_of(fields.get(b"r", b"")), self.ttl_ms / 1000)
             return
         if kind == wire.INSERT:
             theirs = fields.get(wire.KEYING)

@@ -15,8 +15,13 @@ the decisions of every router that wrote recently, live or not; then each router
 another one greets (kind ``h`` on the shared stream, written when it connects, so the
 others follow it at once) or that a heartbeat shows live. A stream whose
 router is no longer live is dropped from the read set once read to its end; its last id
-is remembered, so a router that comes back is read on from there, never twice. Each
-router's stream expires ``STREAM_TTL_MS`` after its last heartbeat.
+is remembered, so a router that comes back is read on from there, never twice. A router
+that greeted counts as live for a heartbeat TTL (``greet``) whether or not the last
+heartbeat read listed it: that read may predate the greeting, and a stream dropped then
+was only followed again at the next heartbeat and read once the ``XREAD`` already
+blocked had returned (up to ``READ_BLOCK_MS`` when the other streams were quiet), so the
+new router's first decisions went unseen for seconds. Each router's stream expires
+``STREAM_TTL_MS`` after its last heartbeat.
 
 After a reconnection (``check``): a stream whose newest entry is older than the last
 one read was recreated (Redis restarted empty) and is read from its start; one whose
@@ -26,6 +31,7 @@ than ``--state-store-stream-len`` entries behind): counted as a gap.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -41,12 +47,20 @@ class Streams:
         self.own = own
         self.last: dict[bytes, bytes] = {wire.STREAM_B: b"0"}  # every stream seen -> last id
         self.reading: set[bytes] = {wire.STREAM_B}
+        self.greeted: dict[bytes, float] = {}  # stream key -> live until (monotonic s)
 
     def follow(self, key: bytes) -> None:
         """Read ``key`` (from where it was left, or its start)."""
         if key != self.own:
             self.last.setdefault(key, b"0")
             self.reading.add(key)
+
+    def greet(self, key: bytes, live_s: float) -> None:
+        """A router greeted (``key``, its stream): read it, and keep reading it for
+        ``live_s`` even while no heartbeat read lists it yet."""
+        if key != self.own:
+            self.follow(key)
+            self.greeted[key] = time.monotonic() + live_s
 
     def follow_routers(self, ids: Iterable[str | bytes]) -> None:
         for rid in ids:
@@ -60,14 +74,26 @@ class Streams:
     def read_args(self) -> dict[bytes, bytes]:
         return {key: self.last[key] for key in self.reading}
 
-    def done_reading(self, asked: Iterable[bytes], full: set[bytes], live: set[bytes]) -> None:
+    def done_reading(
+        self,
+        asked: Iterable[bytes],
+        full: set[bytes],
+        live: set[bytes],
+        now: float | None = None,
+    ) -> None:
         """After an ``XREAD`` of ``asked``: drop the streams of routers not ``live`` (by
-        stream key) that are read to their end (not in ``full``: no batch came back
-        whole). With ``live`` empty (no heartbeat read yet) nothing is dropped."""
+        stream key) nor greeted within their ``greet`` time that are read to their end
+        (not in ``full``: no batch came back whole). With ``live`` empty (no heartbeat
+        read yet) nothing is dropped."""
         if not live:
             return
+        greeted = self.greeted
+        if greeted:
+            now = time.monotonic() if now is None else now
+            for key in [k for k, until in greeted.items() if until <= now]:
+                del greeted[key]
         for key in asked:
-            if key != wire.STREAM_B and key not in live and key not in full:
+            if key != wire.STREAM_B and key not in live and key not in full and key not in greeted:
                 self.reading.discard(key)
 
     async def discover(self, client: aioredis.Redis) -> None:
