@@ -31,3 +31,15 @@ def test_a_turn_is_sent_once_the_answer_before_it_has_ended(tmp_path: Path) -> N
             assert closed[i].sent_s >= closed[b].sent_s + closed[b].e2e_s
     with pytest.raises(ValueError, match="one predecessor"):
         asyncio.run(replay(worker.url, reqs, after=before[:-1]))
+
+
+def test_a_request_that_carries_an_id_is_sent_with_it() -> None:
+    from kvroute.eval.loadgen import _headers
+
+    plain = wl.multiturn(1, 1, 8, 4, 2, seed=0)[0]
+    assert "x-request-id" not in _headers(plain)
+
+    class Tagged:
+        arrival_s, tokens, output_len, request_id = 0.0, [1, 2], 1, "g3-a0.5000"
+
+    assert _headers(Tagged())["x-request-id"] == "g3-a0.5000"

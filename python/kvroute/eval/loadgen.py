@@ -70,6 +70,14 @@ def _body(req: ReplayRequest, model: str, as_text: bool) -> bytes:
     return orjson.dumps(body)
 
 
+def _headers(req: ReplayRequest) -> dict[str, str]:
+    """A request may carry its own ID (``request_id``): the router's logs name it."""
+    rid = getattr(req, "request_id", None)
+    if rid:
+        return {"content-type": "application/json", "x-request-id": rid}
+    return {"content-type": "application/json"}
+
+
 async def _one(
     client: httpx.AsyncClient, url: str, req: ReplayRequest, model: str, as_text: bool
 ) -> Outcome:
@@ -81,7 +89,7 @@ async def _one(
             "POST",
             url + "/v1/completions",
             content=_body(req, model, as_text),
-            headers={"content-type": "application/json"},
+            headers=_headers(req),
         ) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")[:200]

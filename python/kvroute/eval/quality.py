@@ -144,7 +144,8 @@ def start_router(spec: RouterSpec, workers: Sequence[Server], log_dir: str, root
             "serve", "--port", str(port), "--policy", spec.policy,
             "--worker-urls", *urls, "--log-level", "warning", *spec.args, *events,
         )  # fmt: skip
-        return start_server(f"kvroute-{spec.policy}", argv, port, log_dir=log_dir)
+        # One log per replica (named by its port), none overwriting another's.
+        return start_server(f"kvroute-{spec.policy}-{port}", argv, port, log_dir=log_dir)
     return start_peer(PEERS[spec.kind], root, urls, policy=spec.policy, log_dir=log_dir)
 
 
