@@ -47,7 +47,7 @@ def test_a_usable_store_passes_and_lists_its_routers(tmp_path: Path) -> None:
         code, found, _ = doctor(server.url)
         assert code == 0
         assert [found[k]["status"] for k in ("server", "round trip", "commands")] == ["ok"] * 3
-        assert found["client reply"]["status"] == "ok"
+        assert found["client reply"]["status"] == "ok" and found["pushes"]["status"] == "ok"
         assert "1 router(s) live in this database (r1)" in found["routers"]["detail"]
         with server.client() as c:
             assert c.dbsize() == keys  # the scratch keys are gone
@@ -74,11 +74,16 @@ def test_what_the_routers_cannot_use_fails_with_the_fix(tmp_path: Path) -> None:
             c.execute_command("ACL", "SETUSER", "nostream", "-@stream")
             c.execute_command("ACL", "SETUSER", "noclient", "on", ">pw", "~*", "&*", "+@all")
             c.execute_command("ACL", "SETUSER", "noclient", "-client")
+            # Redis 7's default for a new user: no pub/sub channel at all.
+            c.execute_command("ACL", "SETUSER", "nochannel", "on", ">pw", "~*", "+@all")
         base = f"redis://{{}}:pw@127.0.0.1:{server.port}/0"
         code, found, text = doctor(base.format("nostream"))
         assert code == 1 and found["commands"]["status"] == "fail", text
         code, found, text = doctor(base.format("noclient"))
         assert code == 0 and found["client reply"]["status"] == "warn", text
         assert "CLIENT" in found["client reply"]["fix"]
+        code, found, text = doctor(base.format("nochannel"))
+        assert code == 0 and found["pushes"]["status"] == "warn", text
+        assert "&kvroute:live:*" in found["pushes"]["fix"]
     finally:
         server.stop()

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import array
 import asyncio
+import itertools
 import math
 
+import hiredis
 import numpy as np
 import orjson
 import pytest
@@ -389,10 +391,12 @@ def test_xadd_is_the_command_redis_py_would_send() -> None:
         args += [k, v]
     assert wire.xadd(key, entry, 7) == b"".join(Connection().pack_command(*args))
     # The publisher's own encoder makes the same commands, whatever an entry carries,
-    # with or without what its decisions are keyed on.
+    # with or without what its decisions are keyed on, with ids of its own counting
+    # 1, 2, 3..., each XADD followed by a PUBLISH of its bytes to the router's channel.
     decisions = [("http://w:1", b"\x01" * 16), ("http://w:2", b"\x03" * 8)]
     for x in (b"", b"tokens:0123abcd"):
         commands = wire.Commands(key, b"abc", 2000, x)
+        ids: list[bytes] = []
         for made, entry in (
             (
                 commands.inserts(wire.pack_inserts(decisions)),
@@ -412,10 +416,38 @@ def test_xadd_is_the_command_redis_py_would_send() -> None:
                 wire.insert_entry(b"abc", decisions, b"\x02" * 30, keying=x, ends=b"\x04" * 12),
             ),
         ):
-            parts = made.split(b"\r\n")
-            entry[b"t"] = parts[parts.index(b"t") + 2]  # the clock, where the encoder put it
-            assert made == wire.xadd(key, entry, 2000)
+            reader = hiredis.Reader()
+            reader.feed(made)
+            xadd, publish = reader.gets(), reader.gets()
+            assert reader.gets() is False
+            assert publish == [b"PUBLISH", wire.channel_of(b"abc"), xadd_bytes(made)]
+            assert wire.pushed_entry(publish[2])[:2] == (key, xadd[5])
+            ids.append(xadd[5])
+            entry[b"t"] = xadd[xadd.index(b"t") + 1]  # the clock, where the encoder put it
+            args = [b"XADD", key, b"MAXLEN", b"~", 2000, xadd[5]]
+            for k, v in entry.items():
+                args += [k, v]
+            assert xadd_bytes(made) == b"".join(Connection().pack_command(*args))
+            assert wire.pushed_entry(publish[2])[2] == entry
             assert (entry.get(wire.KEYING) == x) if x and entry[b"k"] == wire.INSERT else True
+        epoch = ids[0].split(b"-")[0]
+        assert ids == [b"%s-%d" % (epoch, n) for n in range(1, 6)]
+        assert all(wire.follows(b, a) for a, b in itertools.pairwise(ids))
+        assert wire.follows(ids[0], ids[1]) is False and wire.follows(ids[2], ids[0]) is None
+        commands.publish = False  # a Redis that refuses PUBLISH: the XADD alone
+        alone = commands.load(b"\x02" * 30)
+        assert alone == xadd_bytes(alone)
+
+
+def xadd_bytes(made: bytes) -> bytes:
+    """The XADD command at the start of a write (``wire.Commands``)."""
+    from redis.connection import Connection
+
+    reader = hiredis.Reader()
+    reader.feed(made)
+    command = reader.gets()
+    assert isinstance(command, list)
+    return b"".join(Connection().pack_command(*command))
 
 
 def test_decisions_of_a_router_keyed_differently_are_refused_and_said_once(
@@ -507,3 +539,92 @@ def test_the_replicas_scale_is_the_oldest_learned_one_whoever_reads_it() -> None
         assert oldest_scale({k: routers[k] for k in order}) == ("a", 2.5)
     assert oldest_scale({"c": routers["c"]}) is None
     assert oldest_scale({}) is None
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.sent: list[list[bytes]] = []
+
+    def write(self, data: bytes) -> None:
+        reader = hiredis.Reader()
+        reader.feed(data)
+        while (command := reader.gets()) is not False:
+            self.sent.append(command)
+
+
+def test_pushes_go_live_only_after_an_xread_sent_after_the_subscription() -> None:
+    """``Pushes``' rule, step by step (no Redis): a peer's stream leaves the XREAD only
+    once an XREAD sent after its subscription was confirmed has read it to the end; the
+    pushes kept meanwhile are applied after what that XREAD read, once each; a push after
+    a missing one sends the stream back to the XREAD (and ends the blocked one)."""
+    from kvroute.fleet.shared.pushes import Pushes
+    from kvroute.fleet.shared.streams import Streams
+
+    peer = b"peer1"
+    key, channel = wire.stream_of(peer), wire.channel_of(peer)
+    commands = wire.Commands(key, peer, 2000)
+    payloads = []  # the peer's entries 1..9 as pushed
+    for n in range(9):
+        reader = hiredis.Reader()
+        reader.feed(commands.load(b"%d" % n))
+        reader.gets()
+        payloads.append(reader.gets()[2])
+    ids = [wire.pushed_entry(p)[1] for p in payloads]
+
+    def message(i: int) -> list[bytes]:
+        return [b"message", channel, payloads[i]]
+
+    streams = Streams(wire.stream_of(b"me"))
+    streams.follow(key)
+    applied: list[bytes] = []
+    pushes = Pushes(streams, lambda fields: applied.append(fields[b"p"]))
+    writer = _Writer()
+    pushes.reset(writer, reader_id=42)  # type: ignore[arg-type]
+    pushes.want([peer])
+    assert writer.sent == [[b"SUBSCRIBE", channel]]
+    in_flight = streams.read_args()  # an XREAD sent before the confirmation
+    pushes.pushed([b"subscribe", channel, 1])
+    streams.last[key] = ids[3]  # that XREAD read entries 0-3
+    pushes.pushed(message(4))  # kept, not applied: the stream is not live
+    pushes.caught_up(streams.round, in_flight, set())
+    assert key not in streams.live and applied == []
+    pushes.pushed(message(5))
+    asked = streams.read_args()  # sent after the confirmation: reads entry 4
+    assert key in asked
+    streams.last[key] = ids[4]
+    pushes.caught_up(streams.round, asked, {key})  # a full batch: not at the end yet
+    assert key not in streams.live
+    asked = streams.read_args()
+    pushes.caught_up(streams.round, asked, set())  # read to the end
+    assert key in streams.live and key not in streams.read_args()
+    assert applied == [b"5"]  # the kept push after what the XREAD read (4 skipped)
+    pushes.pushed(message(6))
+    pushes.pushed(message(6))  # again: skipped
+    assert applied == [b"5", b"6"] and streams.last[key] == ids[6]
+    pushes.pushed(message(8))  # 7 never came
+    assert key not in streams.live and pushes.gaps == 1 and applied == [b"5", b"6"]
+    assert writer.sent[-1] == [b"CLIENT", b"UNBLOCK", b"42"]
+    asked = streams.read_args()
+    assert asked[key] == ids[6]  # read again from the last applied
+    streams.last[key] = ids[8]  # the XREAD read 7 and 8 (applied by the read loop)
+    pushes.caught_up(streams.round, asked, set())
+    assert key in streams.live and applied == [b"5", b"6"]  # 8 kept, already read
+    # A number lost outright (neither in the stream nor pushed): once the stream has
+    # been read to its end, what was kept after it is applied, not waited for.
+    pushes.pushed(message(8))  # live: 8 was read, skipped
+    pushes._arm(peer)  # as after a missing push
+    commands.next_id()  # entry 9 never written anywhere; 10 and 11 pushed
+    later = []
+    for n in (10, 11):
+        reader = hiredis.Reader()
+        reader.feed(commands.load(b"%d" % n))
+        reader.gets()
+        later.append(reader.gets()[2])
+    for payload in later:
+        pushes.pushed([b"message", channel, payload])
+    asked = streams.read_args()
+    pushes.caught_up(streams.round, asked, set())  # the stream ends at 8
+    assert key in streams.live and applied == [b"5", b"6", b"10", b"11"]
+    assert streams.last[key] == wire.pushed_entry(later[-1])[1]
+    pushes.want([])  # the peer no longer publishes (or is gone)
+    assert writer.sent[-1] == [b"UNSUBSCRIBE", channel] and key not in streams.live

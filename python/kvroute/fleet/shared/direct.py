@@ -62,7 +62,7 @@ def stream_entries(reply: Any) -> list[tuple[bytes, list[Any]]]:
     return [(key, entries) for key, entries in reply]
 
 
-def _pack(command: Command) -> bytes:
+def pack(command: Command) -> bytes:
     # hiredis's stub types the argument as a one-element tuple; it takes any length.
     packed: bytes = hiredis.pack_command(tuple(command))  # type: ignore[arg-type]
     return packed
@@ -106,13 +106,13 @@ class Direct:
 
     async def call(self, commands: Sequence[Command]) -> list[Any]:
         """Send ``commands`` (a pipeline, each atomic by itself) and return their replies."""
-        data = b"".join(_pack(c) for c in commands)
+        data = b"".join(pack(c) for c in commands)
         return await self._exchange(data, len(commands))
 
     async def transaction(self, commands: Sequence[Command]) -> list[Any]:
         """Send ``commands`` in ``MULTI``/``EXEC`` (applied at once, none seen half done)
         and return their replies."""
-        data = b"".join([_MULTI, *(_pack(c) for c in commands), _EXEC])
+        data = b"".join([_MULTI, *(pack(c) for c in commands), _EXEC])
         replies = await self._exchange(data, len(commands) + 2)
         result = replies[-1]
         if not isinstance(result, list):  # an aborted transaction answers nil

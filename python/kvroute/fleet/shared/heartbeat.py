@@ -50,6 +50,11 @@ class Heartbeat:
         self._live: set[str] = set()  # the other routers live at the last beat
         self._stamps: dict[bytes, float] = {}  # the registry at the last beat
 
+    def set_info(self, info: bytes) -> None:
+        """What this router says of itself from its next beat on."""
+        self.info = info
+        self._mine = _info(self.id, info)
+
     def forget(self) -> None:
         """After losing Redis: read every listed router again at the next beat."""
         self._live.clear()

@@ -56,6 +56,21 @@ class StoreCollector(Collector):
             "Reconnects that found the stream trimmed past the last entry read",
             value=c.gaps,
         )
+        yield CounterMetricFamily(
+            P + "pushed",
+            "Other routers' entries applied as pushed to this router (pub/sub), not read by XREAD",
+            value=s.pushes.received,
+        )
+        yield CounterMetricFamily(
+            P + "push_gaps",
+            "Pushed entries that came after a missing one (their stream read again by XREAD)",
+            value=s.pushes.gaps,
+        )
+        yield GaugeMetricFamily(
+            P + "pushed_streams",
+            "Other routers whose entries come pushed (their streams out of the XREAD)",
+            value=len(s.streams.live),
+        )
         yield GaugeMetricFamily(
             P + "connected", "1 while the store is reachable", value=s.connected
         )

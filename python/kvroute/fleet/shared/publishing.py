@@ -42,16 +42,19 @@ import logging
 from collections import deque
 from typing import TYPE_CHECKING
 
+import hiredis
 import redis.asyncio as aioredis
 from redis.asyncio.connection import Connection
-from redis.exceptions import ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 import kvroute.fleet.shared.wire as wire
+from kvroute.fleet.shared.direct import READ_CHUNK, pack
 
 if TYPE_CHECKING:
     from kvroute.fleet.shared.applying import StoreCounters
     from kvroute.fleet.shared.loads import SharedLoad
     from kvroute.fleet.shared.members import Membership
+    from kvroute.fleet.shared.pushes import Pushes
     from kvroute.fleet.shared.streams import Streams
 
 log = logging.getLogger("kvroute.fleet.shared")
@@ -74,6 +77,7 @@ class Publisher:
     stream_len: int
     streams: Streams
     members: Membership
+    pushes: Pushes
     shared_load: SharedLoad | None
     counters: StoreCounters
 
@@ -158,45 +162,74 @@ class Publisher:
     async def _watch(self, pub: Connection) -> None:
         """Reads what Redis sends on the publishing connection, and ends the session
         when Redis closes it (what is written meanwhile is lost, as with any
-        fire-and-forget write to a dead peer). Normally nothing comes: Redis was told
-        not to reply. If it refused that (the first reply is an error to ``CLIENT
-        REPLY OFF``), every write's reply follows: read and dropped here, and a write
-        Redis refused (an error reply) is counted as dropped."""
+        fire-and-forget write to a dead peer). The peers' pushed entries and the
+        confirmations of subscriptions go to ``pushes``. Nothing else normally comes:
+        Redis was told not to reply. If it refused that (the first reply is an error
+        to ``CLIENT REPLY OFF``), every write's reply follows: read and dropped here,
+        and a write Redis refused (an error reply) is counted as dropped."""
+        reader = pub._reader
+        if reader is None:
+            raise RedisConnectionError("the store's publishing connection is closed")
+        parser = hiredis.Reader()
         first, refused = True, 0
         while True:
-            try:
-                await pub.read_response(disable_decoding=True)
-            except ResponseError as e:
+            chunk = await reader.read(READ_CHUNK)
+            if not chunk:
+                raise RedisConnectionError("the store closed the publishing connection")
+            parser.feed(chunk)
+            while (got := parser.gets()) is not False:
+                if isinstance(got, hiredis.PushNotification):
+                    self.pushes.pushed(got)
+                    continue
+                if not isinstance(got, hiredis.ReplyError):
+                    first = False
+                    continue
                 if first:  # the answer to CLIENT REPLY OFF, the connection's first command
                     first = False
                     if not self.answered:
                         log.warning(
                             "state store refused CLIENT REPLY OFF (%s); publishing with "
                             "replies (more CPU per request): allow the CLIENT command",
-                            e,
+                            got,
                         )
                     self.answered = True
                     continue
                 self.counters.dropped += 1
                 refused += 1
                 if refused == 1:  # once a session: Redis refusing writes (ACL, OOM)
-                    log.warning("state store refused a write: %s", e)
-                continue
-            first = False
+                    log.warning("state store refused a write: %s", got)
 
 
-async def unanswered(client: aioredis.Redis) -> Connection:
+async def unanswered(client: aioredis.Redis, timeout_s: float) -> tuple[Connection, bool]:
     """A connection of its own for publishing, on which Redis sends no replies (same
-    address, credentials, TLS and database as ``client``'s). The store writes to its
-    stream writer directly (redis-py's ``_writer``: a write is then one
-    ``transport.write``, no coroutine, no reply to read and parse)."""
+    address, credentials, TLS and database as ``client``'s), and whether it speaks
+    RESP3 (Redis 6 and later: it then also carries the peers' pushes, ``pushes``). The
+    store writes to its stream writer directly (redis-py's ``_writer``: a write is then
+    one ``transport.write``, no coroutine, no reply to read and parse)."""
     pub: Connection = client.connection_pool.make_connection()  # type: ignore[no-untyped-call]
     pub.socket_timeout = None  # ``_watch`` waits for a reply that normally never comes
     try:
         await pub.connect()  # type: ignore[no-untyped-call]
+        resp3 = await _hello3(pub, timeout_s)
         await pub.send_command("CLIENT", "REPLY", "OFF")  # no reply to this one either
     except BaseException:
         with contextlib.suppress(Exception):
             await pub.disconnect()
         raise
-    return pub
+    return pub, resp3
+
+
+async def _hello3(pub: Connection, timeout_s: float) -> bool:
+    """Switch ``pub`` to RESP3 (``HELLO 3``); False where Redis does not know it (5.x)."""
+    writer, reader = pub._writer, pub._reader
+    if writer is None or reader is None:
+        raise RedisConnectionError("the store's publishing connection is closed")
+    writer.write(pack(("HELLO", "3")))
+    parser = hiredis.Reader()
+    async with asyncio.timeout(timeout_s):
+        while (got := parser.gets()) is False:
+            chunk = await reader.read(READ_CHUNK)
+            if not chunk:
+                raise RedisConnectionError("the store closed the publishing connection")
+            parser.feed(chunk)
+    return not isinstance(got, hiredis.ReplyError)

@@ -115,6 +115,7 @@ async def _check(client: aioredis.Redis, url: wire.StoreURL) -> list[Finding]:
         out.append(Finding("round trip", "ok", f"{rtt:.2f} ms median PING"))
     out.append(await _commands(client))
     out.append(await _client_reply(client))
+    out.append(await _pushes(client))
     out.append(await _routers(client))
     return out
 
@@ -162,6 +163,26 @@ async def _client_reply(client: aioredis.Redis) -> Finding:
             "allow the router's Redis user the CLIENT command",
         )
     return Finding("client reply", "ok", "CLIENT REPLY allowed: writes go out unanswered")
+
+
+async def _pushes(client: aioredis.Redis) -> Finding:
+    """Can routers push their entries to each other (``pushes``): ``PUBLISH`` on their
+    channels, and a RESP3 connection that subscribes to them?"""
+    from kvroute.fleet.shared.direct import Direct
+
+    channel = wire.channel_of(b"doctor-" + os.urandom(4).hex().encode())
+    fix = "allow the router's Redis user PUBLISH and SUBSCRIBE on &kvroute:live:* (Redis 6+)"
+    try:
+        await client.publish(channel, b"")
+        async with await Direct.open(client, 5.0) as conn:
+            await conn.call([("HELLO", "3")])
+            (got,) = await conn.call([("SUBSCRIBE", channel)])
+    except ResponseError as e:
+        detail = f"{e}: each router reads the others' entries by XREAD, a command per entry"
+        return Finding("pushes", "warn", detail, fix)
+    if not isinstance(got, list) or got[:1] != [b"subscribe"]:
+        return Finding("pushes", "warn", f"SUBSCRIBE answered {got!r}", fix)
+    return Finding("pushes", "ok", "routers push their entries to each other (pub/sub)")
 
 
 async def _routers(client: aioredis.Redis) -> Finding:

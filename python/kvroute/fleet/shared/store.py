@@ -12,16 +12,20 @@ retried with exponential backoff (0.1 s doubling to 5 s); once back, the buffere
 decisions and membership changes are published and the streams are read on from the
 last ids seen.
 
-Why streams and not pub/sub: pub/sub forgets a message a subscriber was not connected
-for, silently. A stream keeps the last ``stream_len`` entries with ids, so a router that
-lost its connection, was slow or restarted reads on from its last id and misses nothing
-unless it fell more than ``stream_len`` entries behind (detected: a ``gap`` is counted
-and the worker list is reconciled from the ``workers`` hash). A new router replays the
-retained streams at start, so it begins with the fleet's recent routing state instead
-of an empty index. ``MAXLEN ~`` keeps memory bounded (an entry holds up to 64 decisions
-of about 40 bytes plus 8 per 16 prompt tokens each). Entries are read 20 at a time per
-stream, so applying a backlog (a new router's replay) holds the event loop for a few ms
-per read, never for the whole backlog.
+Why streams, and pub/sub only beside them: pub/sub forgets a message a subscriber was
+not connected for, silently. A stream keeps the last ``stream_len`` entries with ids, so
+a router that lost its connection, was slow or restarted reads on from its last id and
+misses nothing unless it fell more than ``stream_len`` entries behind (detected: a
+``gap`` is counted and the worker list is reconciled from the ``workers`` hash). A new
+router replays the retained streams at start, so it begins with the fleet's recent
+routing state instead of an empty index. ``MAXLEN ~`` keeps memory bounded (an entry
+holds up to 64 decisions of about 40 bytes plus 8 per 16 prompt tokens each). Entries
+are read 20 at a time per stream, so applying a backlog (a new router's replay) holds
+the event loop for a few ms per read, never for the whole backlog. Once a peer's stream
+has been read to its end after subscribing to its channel, its entries come pushed
+instead (``pushes``: one send less per entry, the ``XREAD`` sent again after each
+reply), and the stream is read again whenever the pushes cannot be trusted to hold
+everything.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import orjson
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ResponseError
 
 import kvroute.fleet.shared.wire as wire
 from kvroute.fleet.budget import IndexBudget
@@ -49,6 +54,7 @@ from kvroute.fleet.shared.heartbeat import Heartbeat, oldest_scale
 from kvroute.fleet.shared.loads import SharedLoad
 from kvroute.fleet.shared.members import Membership
 from kvroute.fleet.shared.publishing import Publisher, unanswered
+from kvroute.fleet.shared.pushes import Pushes
 from kvroute.fleet.shared.server import client_for, close, unsupported
 from kvroute.fleet.shared.streams import Streams
 from kvroute.routing.load import LoadModel
@@ -111,6 +117,7 @@ class StateStore(Publisher, Applier):
         info = {"id": self.id, "url": router_url, "version": version, "started": time.time()}
         if keying:
             info["index"] = keying
+        self._info_base = info
         self.info = orjson.dumps(info)
         self._beats = Heartbeat(self.id, self.info, self.ttl_ms)
         self.peer_load: dict[str, int] = {}
@@ -122,6 +129,7 @@ class StateStore(Publisher, Applier):
         self.members = Membership(registry, self.counters.applied, buffer_len)
         self.streams = Streams(wire.stream_of(self._rid))  # replayed from their start
         self._commands = wire.Commands(self.streams.own, self._rid, stream_len, self.keying)
+        self.pushes = Pushes(self.streams, self._apply)
         self._foreign: set[bytes] = set()  # routers keyed differently, warned of once
         self._wake = asyncio.Event()
         # The publishing connection's writer while connected (``_unanswered``), and
@@ -231,9 +239,10 @@ class StateStore(Publisher, Applier):
         await client.ping()
         await self._check_server(client)
         await self._catch_up(client)
-        pub = await unanswered(client)
+        pub, resp3 = await unanswered(client, REPLY_S)
         beats = reads = None
         try:
+            await self._may_publish(client)
             beats = await Direct.open(client, REPLY_S)
             reads = await Direct.open(client, READ_BLOCK_MS / 1000 + REPLY_S)
             # The others follow this router's stream from now (``streams``).
@@ -250,6 +259,7 @@ class StateStore(Publisher, Applier):
             log.info("state store %s connected (router id %s)", self.url.redacted, self.id)
             self._writer = pub._writer  # redis-py's, once connected; see _unanswered
             assert self._writer is not None
+            self.pushes.reset(self._writer if resp3 else None, await _client_id(reads))
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._publish_loop(client, self._writer))
                 tg.create_task(self._read_loop(reads))
@@ -257,6 +267,7 @@ class StateStore(Publisher, Applier):
                 tg.create_task(self._watch(pub))
         finally:
             self._writer = None
+            self.pushes.reset(None)
             with contextlib.suppress(Exception):
                 await pub.disconnect()
             for conn in (beats, reads):
@@ -277,6 +288,31 @@ class StateStore(Publisher, Applier):
             log.error("state store %s is %s; routing on local state", self.url.redacted, why)
         raise UnsupportedStore(why)
 
+    async def _may_publish(self, client: aioredis.Redis) -> None:
+        """Whether this session pushes its entries to the peers (``pushes``): Redis
+        takes ``PUBLISH`` (an ACL may refuse it; the writes go unanswered, so a refusal
+        would go unseen). Said in the heartbeat, which the peers read before they rely
+        on the pushes."""
+        try:
+            await client.publish(wire.channel_of(self._rid), b"")
+            publish = True
+        except ResponseError as e:
+            publish = False
+            if self._commands.publish:
+                log.warning(
+                    "state store refused PUBLISH (%s): the other routers read this one's "
+                    "entries by XREAD (more CPU per entry): allow the PUBLISH command",
+                    e,
+                )
+        self._commands.publish = publish
+        self._beats.set_info(self._info(publish))
+
+    def _info(self, pushes: bool) -> bytes:
+        info = dict(self._info_base)
+        if pushes:
+            info["pushes"] = True
+        return orjson.dumps(info)
+
     async def _catch_up(self, client: aioredis.Redis) -> None:
         """After (re)connecting: share the start-up workers and pending membership
         changes, notice a store that lost its data or a gap in the stream, and reconcile
@@ -295,6 +331,7 @@ class StateStore(Publisher, Applier):
         streams = self.streams
         while True:
             asked = streams.read_args()
+            asked_round = streams.round
             (got,) = await conn.call(
                 [
                     (
@@ -316,6 +353,7 @@ class StateStore(Publisher, Applier):
                 for entry_id, fields in entries:
                     streams.last[key] = entry_id
                     self._apply(as_map(fields))
+            self.pushes.caught_up(asked_round, asked, full)
             live = {wire.stream_of(rid.encode()) for rid in self.routers}
             streams.done_reading(asked, full, live)
 
@@ -339,6 +377,9 @@ class StateStore(Publisher, Applier):
                 # later): the replicas' indexes differ only while their scales do.
                 budget.apply(self.index, list(self.registry.workers))
         self.streams.follow_routers(routers)
+        self.pushes.want(
+            rid.encode() for rid, info in routers.items() if rid != self.id and info.get("pushes")
+        )
         if self.shared_load is not None:  # load as published when it changed (``loads``)
             self.shared_load.keep({rid.encode() for rid in routers})
             for rid, theirs in load.items():
@@ -348,6 +389,15 @@ class StateStore(Publisher, Applier):
         for theirs in load.values():
             for url, n in theirs.items():
                 self.peer_load[url] = self.peer_load.get(url, 0) + n
+
+
+async def _client_id(conn: Direct) -> int | None:
+    """``conn``'s ``CLIENT ID`` (None where an ACL refuses ``CLIENT``)."""
+    try:
+        (got,) = await conn.call([("CLIENT", "ID")])
+    except ResponseError:
+        return None
+    return got if isinstance(got, int) else None
 
 
 class UnsupportedStore(Exception):

@@ -23,6 +23,10 @@ blocked had returned (up to ``READ_BLOCK_MS`` when the other streams were quiet)
 new router's first decisions went unseen for seconds. Each router's stream expires
 ``STREAM_TTL_MS`` after its last heartbeat.
 
+A followed router that publishes its entries (``pushes``) leaves the ``XREAD`` once
+its pushes are known to carry everything after what was read (``live``), and comes back
+to it whenever they are not.
+
 After a reconnection (``check``): a stream whose newest entry is older than the last
 one read was recreated (Redis restarted empty) and is read from its start; one whose
 oldest entry is newer than the last one read was trimmed past it (this router fell more
@@ -48,6 +52,9 @@ class Streams:
         self.last: dict[bytes, bytes] = {wire.STREAM_B: b"0"}  # every stream seen -> last id
         self.reading: set[bytes] = {wire.STREAM_B}
         self.greeted: dict[bytes, float] = {}  # stream key -> live until (monotonic s)
+        # Followed streams whose entries come pushed (``pushes``): left out of the XREAD.
+        self.live: set[bytes] = set()
+        self.round = 0  # XREADs sent so far (``pushes``: which one came after what)
 
     def follow(self, key: bytes) -> None:
         """Read ``key`` (from where it was left, or its start)."""
@@ -72,7 +79,10 @@ class Streams:
         return [key[skip:].decode(errors="replace") for key in self.reading if key != wire.STREAM_B]
 
     def read_args(self) -> dict[bytes, bytes]:
-        return {key: self.last[key] for key in self.reading}
+        """The streams to ``XREAD`` next and from where; counts the read (``round``)."""
+        self.round += 1
+        live = self.live
+        return {key: self.last[key] for key in self.reading if key not in live}
 
     def done_reading(
         self,
@@ -95,6 +105,8 @@ class Streams:
         for key in asked:
             if key != wire.STREAM_B and key not in live and key not in full and key not in greeted:
                 self.reading.discard(key)
+        for key in [k for k in self.live if k not in live and k not in greeted]:  # pushed, gone
+            self.reading.discard(key)
 
     async def discover(self, client: aioredis.Redis) -> None:
         """At (re)connection: every router's stream the registry lists (``heartbeat``),

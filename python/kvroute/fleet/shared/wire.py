@@ -43,6 +43,8 @@ import struct
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
+import hiredis
+
 from kvroute.config import StoreURL
 
 __all__ = ["StoreURL"]
@@ -55,6 +57,20 @@ STREAM_B = STREAM.encode()
 def stream_of(router: bytes) -> bytes:
     """The stream a router writes its decisions and load to."""
     return STREAM_B + b":" + router
+
+
+LIVE_B = (PREFIX + "live:").encode()
+
+
+def channel_of(router: bytes) -> bytes:
+    """The pub/sub channel a router publishes each of its stream's entries to, as it
+    writes it (``publishing``): the other routers subscribe and are sent the entries
+    instead of asking for them (``pushes``)."""
+    return LIVE_B + router
+
+
+def router_of_channel(channel: bytes) -> bytes | None:
+    return channel[len(LIVE_B) :] if channel.startswith(LIVE_B) else None
 
 
 WORKERS = PREFIX + "workers"
@@ -152,9 +168,12 @@ def xadd(key: bytes, entry: dict[bytes, bytes], stream_len: int) -> bytes:
 
 
 @functools.cache
-def _head(key: bytes, stream_len: int, fields: int) -> bytes:
-    args = (b"XADD", key, b"MAXLEN", b"~", b"%d" % stream_len, b"*")
-    return b"*%d\r\n" % (len(args) + 2 * fields) + b"".join(map(_bulk, args))
+def _head(key: bytes, stream_len: int, fields: int, auto_id: bool = True) -> bytes:
+    """``XADD``'s arguments up to its fields; without ``auto_id``, up to the entry id
+    (the caller writes it)."""
+    args = (b"XADD", key, b"MAXLEN", b"~", b"%d" % stream_len)
+    head = b"*%d\r\n" % (len(args) + 1 + 2 * fields) + b"".join(map(_bulk, args))
+    return head + _bulk(b"*") if auto_id else head
 
 
 @functools.cache
@@ -164,56 +183,114 @@ def _bulk(arg: bytes) -> bytes:
 
 class Commands:
     """The ``XADD`` commands of one router's own stream, as bytes: what ``insert_entry`` and
-    ``xadd`` make, with everything but the clock, the decisions and the load encoded
-    once (the publisher builds one per write, up to three per request)."""
+    ``xadd`` make, with everything but the id, the clock, the decisions and the load
+    encoded once (the publisher builds one per write, up to three per request).
 
-    __slots__ = ("_insert", "_insert_load", "_insert_load_ends", "_load", "_load_ends")
+    Entry ids are this router's, not Redis's (``next_id``: ``<ms>-<n>``, the clock when
+    the router started, then 1, 2, 3... for its entries in order; it is its stream's
+    only writer), so an entry pushed to the other routers (``publish``) and the same
+    entry read back from the stream are told apart, and a reader of the pushes notices
+    one that never came (``gapless``). With ``publish`` each ``XADD`` is
+    followed by a ``PUBLISH`` of its own bytes to the router's channel
+    (``channel_of``), in the same write (``pushes``)."""
 
-    def __init__(self, key: bytes, router: bytes, stream_len: int, keying: bytes = b"") -> None:
+    __slots__ = (
+        "_epoch",
+        "_insert",
+        "_insert_load",
+        "_insert_load_ends",
+        "_load",
+        "_load_ends",
+        "_n",
+        "_publish",
+        "publish",
+    )
+
+    def __init__(
+        self,
+        key: bytes,
+        router: bytes,
+        stream_len: int,
+        keying: bytes = b"",
+        publish: bool = True,
+    ) -> None:
         fields = _bulk(b"r") + _bulk(router) + _bulk(b"k")
-        self._load = _head(key, stream_len, 4) + fields + _bulk(LOAD) + _bulk(b"t")
-        self._load_ends = _head(key, stream_len, 5) + fields + _bulk(LOAD) + _bulk(b"t")
+
+        def head(n: int) -> bytes:
+            return _head(key, stream_len, n, auto_id=False)
+
+        self._load = (head(4), fields + _bulk(LOAD) + _bulk(b"t"))
+        self._load_ends = (head(5), fields + _bulk(LOAD) + _bulk(b"t"))
         # Decisions say what their digests are of (field ``x``, ``KEYING``).
         n, x = (1, _bulk(KEYING) + _bulk(keying)) if keying else (0, b"")
         insert = x + fields + _bulk(INSERT) + _bulk(b"t")
-        self._insert = _head(key, stream_len, 4 + n) + insert
-        self._insert_load = _head(key, stream_len, 5 + n) + insert
-        self._insert_load_ends = _head(key, stream_len, 6 + n) + insert
+        self._insert = (head(4 + n), insert)
+        self._insert_load = (head(5 + n), insert)
+        self._insert_load_ends = (head(6 + n), insert)
+        self._publish = b"*3\r\n" + _bulk(b"PUBLISH") + _bulk(channel_of(router))
+        self.publish = publish  # set per session: off where Redis refuses PUBLISH
+        self._epoch, self._n = now_ms(), 0
+
+    def next_id(self) -> bytes:
+        """The next entry id: the one before's number plus one."""
+        self._n += 1
+        return b"%d-%d" % (self._epoch, self._n)
+
+    def _done(self, head: tuple[bytes, bytes], rest: bytes) -> bytes:
+        entry_id = self.next_id()
+        xadd = b"%s$%d\r\n%s\r\n%s%s" % (head[0], len(entry_id), entry_id, head[1], rest)
+        if not self.publish:
+            return xadd
+        return b"%s%s$%d\r\n%s\r\n" % (xadd, self._publish, len(xadd), xadd)
 
     def load(self, load: bytes, ends: bytes = b"") -> bytes:
         """An entry carrying load records only (kind ``p``), with their ends if any."""
         t = b"%d" % now_ms()
-        entry = b"%s$%d\r\n%s\r\n$1\r\np\r\n$%d\r\n%s\r\n" % (
-            self._load_ends if ends else self._load,
-            len(t),
-            t,
-            len(load),
-            load,
-        )
-        return entry + _ends_field(ends) if ends else entry
+        rest = b"$%d\r\n%s\r\n$1\r\np\r\n$%d\r\n%s\r\n" % (len(t), t, len(load), load)
+        if ends:
+            return self._done(self._load_ends, rest + _ends_field(ends))
+        return self._done(self._load, rest)
 
     def inserts(self, blob: bytes, load: bytes = b"", ends: bytes = b"") -> bytes:
         """An entry of packed decisions (``pack_inserts``), with load records and their
         ends if any (ends only with load records)."""
         t = b"%d" % now_ms()
+        rest = b"$%d\r\n%s\r\n$1\r\nb\r\n$%d\r\n%s\r\n" % (len(t), t, len(blob), blob)
         if not load:
-            return b"%s$%d\r\n%s\r\n$1\r\nb\r\n$%d\r\n%s\r\n" % (
-                self._insert,
-                len(t),
-                t,
-                len(blob),
-                blob,
-            )
-        entry = b"%s$%d\r\n%s\r\n$1\r\nb\r\n$%d\r\n%s\r\n$1\r\np\r\n$%d\r\n%s\r\n" % (
-            self._insert_load_ends if ends else self._insert_load,
-            len(t),
-            t,
-            len(blob),
-            blob,
-            len(load),
-            load,
-        )
-        return entry + _ends_field(ends) if ends else entry
+            return self._done(self._insert, rest)
+        rest += b"$1\r\np\r\n$%d\r\n%s\r\n" % (len(load), load)
+        if ends:
+            return self._done(self._insert_load_ends, rest + _ends_field(ends))
+        return self._done(self._insert_load, rest)
+
+
+def follows(entry_id: bytes, last: bytes) -> bool | None:
+    """Is ``entry_id`` the one right after ``last`` in a stream of ``Commands``' ids
+    (True), one already seen (False), or later, some missing between (None)?"""
+    ms, n = parse_id(entry_id)
+    last_ms, last_n = parse_id(last)
+    if (last_ms, last_n) == (0, 0) and n == 1:
+        return True  # the router's first entry, to a reader that has read none
+    if ms != last_ms:  # another epoch (a stream read from its start: last "0")
+        return None if (ms, n) > (last_ms, last_n) else False
+    return True if n == last_n + 1 else (False if n <= last_n else None)
+
+
+def pushed_entry(payload: bytes) -> tuple[bytes, bytes, dict[bytes, bytes]]:
+    """A pushed entry (the bytes of its ``XADD``, ``Commands``) as (stream key, entry id,
+    fields); raises ValueError if it is not one."""
+    reader = hiredis.Reader()
+    reader.feed(payload)
+    command = reader.gets()
+    if (
+        not isinstance(command, list)
+        or len(command) < 6
+        or len(command) % 2
+        or command[0] != b"XADD"
+        or command[2] != b"MAXLEN"
+    ):
+        raise ValueError("not a pushed stream entry")
+    return command[1], command[5], dict(zip(command[6::2], command[7::2], strict=True))
 
 
 def _ends_field(ends: bytes) -> bytes:
