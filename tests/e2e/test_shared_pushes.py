@@ -13,10 +13,14 @@ import logging
 import numpy as np
 import pytest
 import redis
+import redis.asyncio as aioredis
 
+import kvroute.fleet.shared.store as store_module
 from kvroute.config import Settings, StoreURL
 from kvroute.fleet.registry import Registry
-from kvroute.fleet.shared import DigestIndex, StateStore
+from kvroute.fleet.shared import DigestIndex, StateStore, wire
+from kvroute.fleet.shared.direct import Direct
+from kvroute.fleet.shared.heartbeat import Heartbeat
 from support import NEEDS_REDIS, RedisServer, until
 
 pytestmark = NEEDS_REDIS
@@ -173,3 +177,32 @@ async def test_a_router_whose_redis_refuses_publish_is_read_by_xread(
         c.close()
         await a.stop()
         await b.stop()
+
+
+async def test_a_router_found_live_again_by_the_heartbeat_is_read_at_once(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A router known only from the registry (it never greeted, or this router stopped
+    reading it while its heartbeat lapsed) is followed at this router's next heartbeat;
+    the blocked XREAD, which holds only the quiet shared stream, is ended so that its
+    stream is read at once, not when the block runs out (20 s here)."""
+    monkeypatch.setattr(store_module, "READ_BLOCK_MS", 20_000)
+    a, a_index = make(redis_server.url)
+    c = redis_server.client()
+    await a.start()
+    client = aioredis.from_url(redis_server.url)
+    conn = await Direct.open(client, 2.0)
+    try:
+        assert await until(lambda: a.connected and a.pushes.unblock is not None, within=10)
+        await asyncio.sleep(0.5)  # a's XREAD blocked on the shared stream alone
+        theirs = wire.stream_of(b"quiet")
+        c.xadd(theirs, wire.insert_entry(b"quiet", [(W, a_index.keys(prompt(3)).tobytes())]))
+        info = b'{"id": "quiet", "url": "http://quiet:1"}'
+        await Heartbeat("quiet", info, 20_000).beat(conn, {})  # listed, never greeted
+        assert await until(lambda: a_index.match(prompt(3)) == {W: 64}, within=10)
+        assert "quiet" in a.routers
+    finally:
+        await conn.close()
+        await client.aclose()
+        c.close()
+        await a.stop()

@@ -130,8 +130,14 @@ class Pushes:
         it), unless it was not live."""
         if key in self.streams.live:
             self.streams.live.discard(key)
-            if self.unblock is not None and self.writer is not None:
-                self.writer.write(self.unblock)
+            self.reread()
+
+    def reread(self) -> None:
+        """End the blocked ``XREAD`` (``CLIENT UNBLOCK``), so that the next one, with
+        the streams followed since, is sent at once. Nothing is lost: the next one reads
+        on from the last ids."""
+        if self.unblock is not None and self.writer is not None:
+            self.writer.write(self.unblock)
 
     def _entry(self, rid: bytes, key: bytes, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         if key not in self.streams.live:

@@ -380,6 +380,10 @@ class StateStore(Publisher, Applier):
         self.pushes.want(
             rid.encode() for rid, info in routers.items() if rid != self.id and info.get("pushes")
         )
+        if self.streams.unasked():
+            # A router this one stopped reading (its heartbeat lapsed, or it never
+            # greeted) is live again: read it now, not when the blocked XREAD ends.
+            self.pushes.reread()
         if self.shared_load is not None:  # load as published when it changed (``loads``)
             self.shared_load.keep({rid.encode() for rid in routers})
             for rid, theirs in load.items():

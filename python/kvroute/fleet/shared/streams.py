@@ -20,8 +20,10 @@ that greeted counts as live for a heartbeat TTL (``greet``) whether or not the l
 heartbeat read listed it: that read may predate the greeting, and a stream dropped then
 was only followed again at the next heartbeat and read once the ``XREAD`` already
 blocked had returned (up to ``READ_BLOCK_MS`` when the other streams were quiet), so the
-new router's first decisions went unseen for seconds. Each router's stream expires
-``STREAM_TTL_MS`` after its last heartbeat.
+new router's first decisions went unseen for seconds. A stream followed at a heartbeat
+(a router that never greeted, or one whose heartbeat had lapsed) ends the blocked
+``XREAD`` (``unasked``, ``Pushes.reread``), so it is read at once. Each router's stream
+expires ``STREAM_TTL_MS`` after its last heartbeat.
 
 A followed router that publishes its entries (``pushes``) leaves the ``XREAD`` once
 its pushes are known to carry everything after what was read (``live``), and comes back
@@ -36,7 +38,7 @@ than ``--state-store-stream-len`` entries behind): counted as a gap.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -55,6 +57,7 @@ class Streams:
         # Followed streams whose entries come pushed (``pushes``): left out of the XREAD.
         self.live: set[bytes] = set()
         self.round = 0  # XREADs sent so far (``pushes``: which one came after what)
+        self.asked: Collection[bytes] = ()  # the streams of the last XREAD sent
 
     def follow(self, key: bytes) -> None:
         """Read ``key`` (from where it was left, or its start)."""
@@ -82,7 +85,16 @@ class Streams:
         """The streams to ``XREAD`` next and from where; counts the read (``round``)."""
         self.round += 1
         live = self.live
-        return {key: self.last[key] for key in self.reading if key not in live}
+        asked = {key: self.last[key] for key in self.reading if key not in live}
+        self.asked = asked.keys()
+        return asked
+
+    def unasked(self) -> bool:
+        """Is a stream followed since the last ``XREAD`` was sent, and not pushed? That
+        ``XREAD`` does not hold it, and may block for ``READ_BLOCK_MS`` on quiet streams
+        (with pushes, the shared stream alone) before the next one does."""
+        asked, live = self.asked, self.live
+        return any(key not in asked and key not in live for key in self.reading)
 
     def done_reading(
         self,
