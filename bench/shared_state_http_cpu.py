@@ -21,6 +21,10 @@ own Redis database, so the two with a store do not share state): the kvroute ins
 for that interpreter (an earlier build), so a change to the store is measured against
 its baseline over the same seconds. ``--other-keys N`` first fills both databases with N
 keys of another application, as in a Redis the routers share with other data.
+``--silent-store`` adds a router with a store that publishes nothing
+(``silent_store_serve.py``: it connects, beats and reads as usual, and drops its
+decisions and load changes where they are queued); the difference between the router
+with a store and this one, round by round, is what publishing costs end to end.
 ``--unix-socket`` adds a router with a store reached through Redis's Unix socket
 (``unix://``), as routers on Redis's own host can. ``--peers``: each router with a store
 gets a peer of the same build on the same database, sent requests at the same rate (its
@@ -32,6 +36,7 @@ Usage:
     python bench/shared_state_http_cpu.py --rates 20,60 --requests 300 --rounds 6
     python bench/shared_state_http_cpu.py --baseline-python OLD_VENV/bin/python
     python bench/shared_state_http_cpu.py --rates 20,60 --unix-socket
+    python bench/shared_state_http_cpu.py --rates 20,60,100 --silent-store
     python bench/shared_state_http_cpu.py --rates 20,60 --peers --baseline-python OLD/bin/python
 """
 
@@ -127,6 +132,12 @@ def main() -> int:
         help="a third router with a store, reaching Redis through its Unix socket",
     )
     ap.add_argument(
+        "--silent-store",
+        action="store_true",
+        help="a router with a store that publishes nothing: publishing's own cost is the "
+        "difference from the router with a store",
+    )
+    ap.add_argument(
         "--baseline-python",
         help="a third router with a store: the kvroute installed for this interpreter",
     )
@@ -160,6 +171,9 @@ def main() -> int:
         setups = [("alone", []), ("with Redis", ["--state-store", redis.url])]
         if args.baseline_python:
             setups.append(("baseline, with Redis", ["--state-store", redis.url[:-1] + "1"]))
+        if args.silent_store:  # its own database: it must not read the others' entries
+            silent = ["--state-store", redis.url[:-1] + "3"]
+            setups.append(("with Redis, publishing nothing", silent))
         if args.unix_socket:  # the last database: apart from the others
             unix = redis.unix_url[:-1] + "2"
             setups.append(("Redis on its Unix socket", ["--state-store", unix]))
@@ -171,6 +185,8 @@ def main() -> int:
                 argv += ["--policy", "cache_aware", "--log-level", "warning", *extra]
                 if name.startswith("baseline"):
                     argv[0] = args.baseline_python
+                if name.endswith("publishing nothing"):
+                    argv = [sys.executable, str(HERE / "silent_store_serve.py"), *argv[3:]]
                 srv = start_server(f"router-{port}", argv, port, log_dir=str(log_dir))
                 servers.append(srv)
                 if is_peer:
@@ -254,6 +270,15 @@ def main() -> int:
                     f"({min(added):+.0f} to {max(added):+.0f}) "
                 )
             print(row + f"| {errors} |", flush=True)
+            if "with Redis, publishing nothing" in per:
+                quiet = per["with Redis, publishing nothing"]
+                pub = [a - b for a, b in zip(per["with Redis"], quiet, strict=True)]
+                print(
+                    f"  publishing at {rate:g} req/s (with Redis - publishing nothing, round "
+                    f"by round): {statistics.median(pub):+.0f} µs per request "
+                    f"({min(pub):+.0f} to {max(pub):+.0f})",
+                    flush=True,
+                )
             for f in failed:
                 print(f"  failed at {rate:g} req/s: {f}", flush=True)
     finally:

@@ -156,6 +156,7 @@ OTHER_PROGRAMS = {
     "--enable-metrics",  # sglang
     "--max-num-seqs",  # vllm serve
     "--idle-s",  # bench/shared_state_http_cpu.py
+    "--silent-store",  # bench/shared_state_http_cpu.py
     "--linger-ms",  # bench/sim_shared_state.py
     "--heartbeat-ms",  # bench/sim_shared_state.py
     "--gaps-ms",  # bench/store_read_wakes.py
