@@ -461,7 +461,9 @@ async def test_engine_waits_for_kv_room_first_come_first_served() -> None:
     await asyncio.gather(
         _serve(loose, a2, list(range(96))), _serve(loose, b2, list(range(1000, 1096)))
     )
-    assert b2.queue_s < cost.prefill_s(96)
+    # b2 does not wait for a2 to end (with admission it waits ~2 s of model time); on a
+    # busy machine it may wait a few ms of wall time, so no tighter bound than that.
+    assert b2.queue_s < 0.5 * (cost.prefill_s(96) + cost.decode_s(4, 1))
 
 
 async def test_engine_cancellation_releases_slot_and_blocks() -> None:
